@@ -1,0 +1,35 @@
+# Every external dependency is found here, once, with find_package.
+include(CMakeDependentOption)
+
+find_package(Torch REQUIRED)
+find_package(Protobuf REQUIRED)
+find_package(gRPC CONFIG REQUIRED)
+find_package(absl CONFIG REQUIRED)
+find_package(ZLIB REQUIRED)
+find_package(Threads REQUIRED)
+if(LOCKSTEP_BUILD_TESTS)
+  find_package(GTest CONFIG REQUIRED)
+endif()
+if(LOCKSTEP_BUILD_BENCHMARKS)
+  find_package(benchmark CONFIG REQUIRED)
+endif()
+
+# Optional backends: a build without them still trains on one process.
+find_package(MPI COMPONENTS CXX)
+option(LOCKSTEP_WITH_MPI "Build the MPI communicator (CPU tensors)" ${MPI_CXX_FOUND})
+if(LOCKSTEP_WITH_MPI AND NOT MPI_CXX_FOUND)
+  message(FATAL_ERROR "LOCKSTEP_WITH_MPI=ON but no MPI C++ implementation was found; "
+                      "install libopenmpi-dev or configure with -DLOCKSTEP_WITH_MPI=OFF")
+endif()
+
+if(NOT DEFINED CUDAToolkit_ROOT AND EXISTS /usr/local/cuda)
+  set(CUDAToolkit_ROOT /usr/local/cuda)
+endif()
+find_package(CUDAToolkit QUIET)
+find_package(NCCL QUIET)
+cmake_dependent_option(LOCKSTEP_WITH_NCCL "Build the NCCL communicator (CUDA tensors)" ON
+                       "CUDAToolkit_FOUND;NCCL_FOUND" OFF)
+
+message(STATUS "Lockstep: torch ${Torch_VERSION}, protobuf ${Protobuf_VERSION}, gRPC ${gRPC_VERSION}")
+message(STATUS "Lockstep: MPI backend ${LOCKSTEP_WITH_MPI}, NCCL backend ${LOCKSTEP_WITH_NCCL}"
+               " (CUDA ${CUDAToolkit_VERSION}, NCCL ${NCCL_VERSION})")

@@ -1,0 +1,64 @@
+// Models that ship with Lockstep: the small CNN of the Fashion-MNIST job and an
+// MLP. Users bring their own torch::nn::Module with an ApplyFn instead.
+#ifndef LOCKSTEP_MODELS_H_
+#define LOCKSTEP_MODELS_H_
+
+#include <torch/nn/module.h>
+#include <torch/nn/modules/container/sequential.h>
+
+#include <cstdint>
+#include <memory>
+#include <string>
+
+#include "lockstep/step.h"
+
+namespace lockstep {
+
+struct ModelOptions {
+  std::string name = "cnn";  // "cnn" or "mlp"
+  int64_t in_channels = 1;
+  int64_t height = 28;
+  int64_t width = 28;
+  int64_t hidden_units = 128;
+  int64_t num_classes = 10;
+  double dropout = 0.0;
+};
+
+// conv3x3(32) -> ReLU -> maxpool2 -> conv3x3(64) -> ReLU -> maxpool2 ->
+// linear(hidden) -> ReLU -> [dropout] -> linear(num_classes). Height and width must
+// be divisible by 4.
+class CnnImpl : public torch::nn::Module {
+ public:
+  explicit CnnImpl(const ModelOptions& options);
+  at::Tensor forward(const at::Tensor& x);
+
+ private:
+  torch::nn::Sequential layers_;
+};
+
+// flatten -> linear(hidden) -> ReLU -> [dropout] -> linear(num_classes).
+class MlpImpl : public torch::nn::Module {
+ public:
+  explicit MlpImpl(const ModelOptions& options);
+  at::Tensor forward(const at::Tensor& x);
+
+ private:
+  torch::nn::Sequential layers_;
+};
+
+struct BuiltModel {
+  std::shared_ptr<torch::nn::Module> module;
+  ApplyFn apply;
+};
+
+// Builds the named model with freshly initialised parameters (seed libtorch first
+// for reproducible ones). Throws InvalidArgumentError naming an unknown model or a
+// bad size.
+BuiltModel BuildModel(const ModelOptions& options);
+
+// Number of trainable scalars (parameters with requires_grad).
+int64_t CountTrainableWeights(const torch::nn::Module& module);
+
+}  // namespace lockstep
+
+#endif  // LOCKSTEP_MODELS_H_

@@ -1,0 +1,89 @@
+// The one implementation of a train step and an eval step, shared by Trainer and by
+// the composable TrainLoop / EvalLoop.
+//
+// A train step takes this rank's shard of one global batch, splits it into
+// `num_microbatches` microbatches (sizes differ by at most one when it does not
+// divide evenly), runs forward and backward on each and accumulates the gradients,
+// then clips and applies one optimizer update. Each microbatch's loss is the
+// weighted sum of its per-example losses divided by the total weight of the whole
+// batch, so the accumulated gradient equals the whole-batch gradient of the
+// weighted mean loss, whatever k, however uneven the split and whatever the
+// weights. Not thread-safe; models with batch statistics (BatchNorm) see
+// microbatch statistics, as in every accumulation scheme.
+#ifndef LOCKSTEP_STEP_H_
+#define LOCKSTEP_STEP_H_
+
+#include <ATen/core/Tensor.h>
+
+#include <functional>
+#include <map>
+#include <optional>
+#include <string>
+
+#include "lockstep/data.h"
+#include "lockstep/errors.h"
+#include "lockstep/metrics.h"
+#include "lockstep/schedule.h"
+#include "lockstep/train_state.h"
+
+namespace lockstep {
+
+// Forward pass: model, inputs -> outputs.
+using ApplyFn = std::function<at::Tensor(torch::nn::Module& model, const at::Tensor& inputs)>;
+// Per-example loss: outputs, targets -> a 1-D tensor with one loss per example.
+using LossFn = std::function<at::Tensor(const at::Tensor& outputs, const at::Tensor& targets)>;
+// Per-example metrics for evaluation: name -> 1-D tensor with one value per example.
+using MetricFn = std::function<std::map<std::string, at::Tensor>(const at::Tensor& outputs, const Batch& batch)>;
+
+// Cross-entropy per example over logits [N, C] and int64 class targets [N].
+LossFn CrossEntropyLoss();
+// Eval metrics of a classifier: "loss" (the given per-example loss) and "accuracy".
+MetricFn ClassificationMetrics(LossFn loss);
+
+// An ApplyFn calling `forward(inputs)` on a module of type M (e.g. CnnImpl).
+// Throws InvalidArgumentError when the module is not an M.
+template <typename M>
+ApplyFn ForwardOf() {
+  return [](torch::nn::Module& module, const at::Tensor& inputs) -> at::Tensor {
+    auto* typed = dynamic_cast<M*>(&module);
+    if (typed == nullptr) throw InvalidArgumentError("ForwardOf: module " + module.name() + " is not of the expected type");
+    return typed->forward(inputs);
+  };
+}
+
+struct StepOptions {
+  int num_microbatches = 1;
+  // Clip the global L2 norm of the gradients to this value; 0 disables clipping.
+  double max_grad_norm = 0.0;
+  // Sets every parameter group's learning rate before each step; without one the
+  // optimizer's own learning rate is used unchanged.
+  std::optional<LrSchedule> schedule;
+};
+
+// Runs one optimizer step on `state` (and increments state.step). Returns the
+// step's metrics: loss, accuracy (when outputs are [N, C] logits and targets are
+// integer classes), learning_rate, gradients_l2norm (before clipping),
+// weights_l2norm (after the update), seconds_per_step, examples_per_second and
+// num_examples. Throws InvalidArgumentError for an empty batch, a bad option, or a
+// loss that is not one value per example.
+MetricMap RunTrainStep(TrainState& state, const Batch& batch, const ApplyFn& apply, const LossFn& loss,
+                       const StepOptions& options);
+
+// Weighted sums of per-example metrics over some batches, and the total weight.
+struct MetricSums {
+  std::map<std::string, double> sums;
+  double weight = 0.0;
+
+  void Merge(const MetricSums& other);
+  MetricMap Means() const;
+};
+
+// Evaluates one batch without gradients, in eval mode, and returns its sums.
+MetricSums RunEvalStep(torch::nn::Module& model, const Batch& batch, const ApplyFn& apply, const MetricFn& metrics);
+
+// The L2 norm over all the given tensors together.
+double GlobalL2Norm(const std::vector<at::Tensor>& tensors);
+
+}  // namespace lockstep
+
+#endif  // LOCKSTEP_STEP_H_

@@ -1,0 +1,272 @@
+#include "lockstep/config.h"
+
+#include <google/protobuf/descriptor.h>
+#include <google/protobuf/io/tokenizer.h>
+#include <google/protobuf/text_format.h>
+
+#include <cmath>
+#include <fstream>
+#include <sstream>
+
+#include "absl/strings/escaping.h"
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_join.h"
+#include "absl/strings/str_split.h"
+#include "absl/strings/strip.h"
+
+namespace lockstep {
+namespace {
+
+namespace pb = google::protobuf;
+
+// Collects the text-format parser's errors as "source:line:column: message".
+class ErrorList : public pb::io::ErrorCollector {
+ public:
+  explicit ErrorList(std::string source) : source_(std::move(source)) {}
+  void AddError(int line, pb::io::ColumnNumber column, const std::string& message) override {
+    errors_.push_back(absl::StrCat(source_, ":", line + 1, ":", column + 1, ": ", message));
+  }
+  void AddWarning(int line, pb::io::ColumnNumber column, const std::string& message) override {
+    AddError(line, column, message);
+  }
+  std::string ToString() const { return absl::StrJoin(errors_, "; "); }
+
+ private:
+  const std::string source_;
+  std::vector<std::string> errors_;
+};
+
+absl::Status ParseInto(const std::string& text, const std::string& source, pb::Message* message) {
+  ErrorList errors(source);
+  pb::TextFormat::Parser parser;
+  parser.RecordErrorsTo(&errors);
+  if (!parser.MergeFromString(text, message)) return absl::InvalidArgumentError(errors.ToString());
+  return absl::OkStatus();
+}
+
+// Sets every unset field to its default, recursively, so that printing shows them.
+void FillDefaults(pb::Message* message) {
+  const pb::Descriptor* descriptor = message->GetDescriptor();
+  const pb::Reflection* reflection = message->GetReflection();
+  for (int i = 0; i < descriptor->field_count(); ++i) {
+    const pb::FieldDescriptor* f = descriptor->field(i);
+    if (f->is_repeated()) continue;
+    if (f->cpp_type() == pb::FieldDescriptor::CPPTYPE_MESSAGE) {
+      FillDefaults(reflection->MutableMessage(message, f));
+      continue;
+    }
+    if (reflection->HasField(*message, f)) continue;
+    switch (f->cpp_type()) {
+      case pb::FieldDescriptor::CPPTYPE_INT32: reflection->SetInt32(message, f, f->default_value_int32()); break;
+      case pb::FieldDescriptor::CPPTYPE_INT64: reflection->SetInt64(message, f, f->default_value_int64()); break;
+      case pb::FieldDescriptor::CPPTYPE_UINT32: reflection->SetUInt32(message, f, f->default_value_uint32()); break;
+      case pb::FieldDescriptor::CPPTYPE_UINT64: reflection->SetUInt64(message, f, f->default_value_uint64()); break;
+      case pb::FieldDescriptor::CPPTYPE_DOUBLE: reflection->SetDouble(message, f, f->default_value_double()); break;
+      case pb::FieldDescriptor::CPPTYPE_FLOAT: reflection->SetFloat(message, f, f->default_value_float()); break;
+      case pb::FieldDescriptor::CPPTYPE_BOOL: reflection->SetBool(message, f, f->default_value_bool()); break;
+      case pb::FieldDescriptor::CPPTYPE_ENUM: reflection->SetEnum(message, f, f->default_value_enum()); break;
+      case pb::FieldDescriptor::CPPTYPE_STRING: reflection->SetString(message, f, f->default_value_string()); break;
+      case pb::FieldDescriptor::CPPTYPE_MESSAGE: break;
+    }
+  }
+}
+
+// Accumulates the first violated rule, naming the field by its dotted path.
+class Checker {
+ public:
+  template <typename T>
+  void Require(bool ok, const std::string& field, const std::string& rule, const T& value) {
+    if (!ok && status_.ok()) {
+      status_ = absl::InvalidArgumentError(absl::StrCat("config field '", field, "' ", rule, ", got ", value));
+    }
+  }
+  absl::Status status() const { return status_; }
+
+ private:
+  absl::Status status_;
+};
+
+}  // namespace
+
+absl::StatusOr<config::TrainerConfig> ParseConfig(const std::string& text, const std::string& source) {
+  config::TrainerConfig cfg;
+  absl::Status status = ParseInto(text, source, &cfg);
+  if (!status.ok()) return status;
+  return cfg;
+}
+
+absl::StatusOr<config::TrainerConfig> LoadConfigFile(const std::string& path) {
+  std::ifstream in(path);
+  if (!in) return absl::NotFoundError(absl::StrCat("cannot open config file '", path, "'"));
+  std::stringstream text;
+  text << in.rdbuf();
+  return ParseConfig(text.str(), path);
+}
+
+absl::Status ApplyOverride(const std::string& assignment, config::TrainerConfig* cfg) {
+  const std::vector<std::string> parts = absl::StrSplit(assignment, absl::MaxSplits('=', 1));
+  if (parts.size() != 2 || parts[0].empty()) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("--set '", assignment, "': expected field.path=value, e.g. optimizer.learning_rate=0.01"));
+  }
+  const std::string& path = parts[0];
+  std::string value = parts[1];
+  const std::vector<std::string> names = absl::StrSplit(path, '.');
+  const pb::Descriptor* descriptor = cfg->GetDescriptor();
+  std::string text;
+  for (size_t i = 0; i < names.size(); ++i) {
+    const pb::FieldDescriptor* field = descriptor->FindFieldByName(names[i]);
+    if (field == nullptr) {
+      return absl::InvalidArgumentError(absl::StrCat("--set '", assignment, "': ", descriptor->full_name(),
+                                                     " has no field named '", names[i], "'"));
+    }
+    const bool last = i + 1 == names.size();
+    const bool is_message = field->cpp_type() == pb::FieldDescriptor::CPPTYPE_MESSAGE;
+    if (last == is_message) {
+      return absl::InvalidArgumentError(absl::StrCat("--set '", assignment, "': field '", path, "' is ",
+                                                     is_message ? "a message; name one of its fields" : "not a message"));
+    }
+    if (last) {
+      if (field->cpp_type() == pb::FieldDescriptor::CPPTYPE_STRING && !absl::StartsWith(value, "\"")) {
+        value = absl::StrCat("\"", absl::CEscape(value), "\"");
+      }
+      absl::StrAppend(&text, names[i], ": ", value);
+    } else {
+      absl::StrAppend(&text, names[i], " { ");
+      descriptor = field->message_type();
+    }
+  }
+  for (size_t i = 1; i < names.size(); ++i) absl::StrAppend(&text, " }");
+  config::TrainerConfig patch;
+  absl::Status status = ParseInto(text, absl::StrCat("--set '", assignment, "'"), &patch);
+  if (!status.ok()) return status;
+  cfg->MergeFrom(patch);
+  return absl::OkStatus();
+}
+
+void ResolveDerivedFields(config::TrainerConfig* cfg) {
+  config::ScheduleConfig* schedule = cfg->mutable_schedule();
+  if (schedule->decay() == config::ScheduleConfig::COSINE && schedule->decay_steps() == 0) {
+    schedule->set_decay_steps(std::max<int64_t>(1, cfg->num_train_steps() - schedule->warmup_steps()));
+  }
+}
+
+absl::Status ValidateConfig(const config::TrainerConfig& c, int world_size) {
+  Checker check;
+  const auto& m = c.model();
+  check.Require(m.name() == "cnn" || m.name() == "mlp", "model.name", "must be one of cnn, mlp", m.name());
+  check.Require(m.hidden_units() > 0, "model.hidden_units", "must be > 0", m.hidden_units());
+  check.Require(m.num_classes() >= 2, "model.num_classes", "must be >= 2", m.num_classes());
+  check.Require(m.dropout() >= 0 && m.dropout() < 1, "model.dropout", "must be in [0, 1)", m.dropout());
+
+  const auto& o = c.optimizer();
+  check.Require(o.learning_rate() > 0 && std::isfinite(o.learning_rate()), "optimizer.learning_rate",
+                "must be positive and finite", o.learning_rate());
+  check.Require(o.momentum() >= 0 && o.momentum() < 1, "optimizer.momentum", "must be in [0, 1)", o.momentum());
+  check.Require(!o.nesterov() || o.momentum() > 0, "optimizer.nesterov", "needs optimizer.momentum > 0",
+                o.momentum());
+  check.Require(o.weight_decay() >= 0, "optimizer.weight_decay", "must be >= 0", o.weight_decay());
+  check.Require(o.beta1() >= 0 && o.beta1() < 1, "optimizer.beta1", "must be in [0, 1)", o.beta1());
+  check.Require(o.beta2() >= 0 && o.beta2() < 1, "optimizer.beta2", "must be in [0, 1)", o.beta2());
+  check.Require(o.epsilon() > 0, "optimizer.epsilon", "must be > 0", o.epsilon());
+
+  const auto& s = c.schedule();
+  check.Require(s.warmup_steps() >= 0, "schedule.warmup_steps", "must be >= 0", s.warmup_steps());
+  check.Require(s.decay_steps() >= 0, "schedule.decay_steps", "must be >= 0", s.decay_steps());
+  check.Require(s.final_fraction() >= 0 && s.final_fraction() <= 1, "schedule.final_fraction", "must be in [0, 1]",
+                s.final_fraction());
+
+  const auto& d = c.data();
+  check.Require(d.global_batch_size() > 0, "data.global_batch_size", "must be > 0", d.global_batch_size());
+  check.Require(d.global_batch_size() % world_size == 0, "data.global_batch_size",
+                absl::StrCat("must be divisible by the world size ", world_size), d.global_batch_size());
+  check.Require(d.eval_batch_size() > 0, "data.eval_batch_size", "must be > 0", d.eval_batch_size());
+  check.Require(d.source() != config::DataConfig::FASHION_MNIST || !d.dir().empty(), "data.dir",
+                "must name the Fashion-MNIST folder", "\"\"");
+  check.Require(d.synthetic_train_examples() > 0, "data.synthetic_train_examples", "must be > 0",
+                d.synthetic_train_examples());
+  check.Require(d.synthetic_eval_examples() > 0, "data.synthetic_eval_examples", "must be > 0",
+                d.synthetic_eval_examples());
+
+  check.Require(c.num_train_steps() > 0, "num_train_steps", "must be > 0", c.num_train_steps());
+  check.Require(c.eval_every_steps() >= 0, "eval_every_steps", "must be >= 0", c.eval_every_steps());
+  check.Require(c.summary_every_steps() > 0, "summary_every_steps", "must be > 0", c.summary_every_steps());
+  check.Require(c.num_microbatches() >= 1, "num_microbatches", "must be >= 1", c.num_microbatches());
+  check.Require(d.global_batch_size() <= 0 || c.num_microbatches() <= d.global_batch_size() / world_size,
+                "num_microbatches", "must not exceed the per-rank batch size (data.global_batch_size / world size)",
+                c.num_microbatches());
+  check.Require(c.max_grad_norm() >= 0 && std::isfinite(c.max_grad_norm()), "max_grad_norm",
+                "must be >= 0 (0 disables clipping)", c.max_grad_norm());
+  check.Require(!c.output_dir().empty(), "output_dir", "must not be empty", "\"\"");
+  check.Require(c.num_threads() >= 0, "num_threads", "must be >= 0", c.num_threads());
+  return check.status();
+}
+
+absl::StatusOr<config::TrainerConfig> BuildConfig(const std::string& path, const std::vector<std::string>& overrides,
+                                                  int world_size) {
+  config::TrainerConfig cfg;
+  if (!path.empty()) {
+    absl::StatusOr<config::TrainerConfig> loaded = LoadConfigFile(path);
+    if (!loaded.ok()) return loaded.status();
+    cfg = *std::move(loaded);
+  }
+  for (const std::string& assignment : overrides) {
+    absl::Status status = ApplyOverride(assignment, &cfg);
+    if (!status.ok()) return status;
+  }
+  FillDefaults(&cfg);
+  ResolveDerivedFields(&cfg);
+  absl::Status status = ValidateConfig(cfg, world_size);
+  if (!status.ok()) return status;
+  return cfg;
+}
+
+std::string ConfigToText(const config::TrainerConfig& cfg) {
+  config::TrainerConfig full = cfg;
+  FillDefaults(&full);
+  std::string text;
+  pb::TextFormat::PrintToString(full, &text);
+  return text;
+}
+
+OptimizerOptions ToOptimizerOptions(const config::OptimizerConfig& c) {
+  OptimizerOptions o;
+  switch (c.kind()) {
+    case config::OptimizerConfig::SGD: o.kind = OptimizerOptions::Kind::kSgd; break;
+    case config::OptimizerConfig::ADAM: o.kind = OptimizerOptions::Kind::kAdam; break;
+    case config::OptimizerConfig::ADAMW: o.kind = OptimizerOptions::Kind::kAdamW; break;
+  }
+  o.learning_rate = c.learning_rate();
+  o.momentum = c.momentum();
+  o.nesterov = c.nesterov();
+  o.weight_decay = c.weight_decay();
+  o.beta1 = c.beta1();
+  o.beta2 = c.beta2();
+  o.epsilon = c.epsilon();
+  return o;
+}
+
+LrSchedule ToLrSchedule(const config::TrainerConfig& c) {
+  LrSchedule s;
+  s.peak = c.optimizer().learning_rate();
+  switch (c.schedule().decay()) {
+    case config::ScheduleConfig::CONSTANT: s.decay = LrSchedule::Decay::kConstant; break;
+    case config::ScheduleConfig::COSINE: s.decay = LrSchedule::Decay::kCosine; break;
+    case config::ScheduleConfig::RSQRT: s.decay = LrSchedule::Decay::kRsqrt; break;
+  }
+  s.warmup_steps = c.schedule().warmup_steps();
+  s.decay_steps = c.schedule().decay_steps();
+  s.final_fraction = c.schedule().final_fraction();
+  return s;
+}
+
+ModelOptions ToModelOptions(const config::ModelConfig& c) {
+  ModelOptions m;
+  m.name = c.name();
+  m.hidden_units = c.hidden_units();
+  m.num_classes = c.num_classes();
+  m.dropout = c.dropout();
+  return m;
+}
+
+}  // namespace lockstep

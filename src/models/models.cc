@@ -1,0 +1,76 @@
+#include "lockstep/models.h"
+
+#include <torch/nn/modules/activation.h>
+#include <torch/nn/modules/conv.h>
+#include <torch/nn/modules/dropout.h>
+#include <torch/nn/modules/linear.h>
+#include <torch/nn/modules/pooling.h>
+
+#include <string>
+
+#include "lockstep/errors.h"
+
+namespace lockstep {
+namespace {
+
+void CheckSizes(const ModelOptions& o) {
+  if (o.in_channels <= 0 || o.height <= 0 || o.width <= 0 || o.hidden_units <= 0 || o.num_classes < 2) {
+    throw InvalidArgumentError("model '" + o.name + "': sizes must be positive and num_classes >= 2");
+  }
+  if (!(o.dropout >= 0 && o.dropout < 1)) {
+    throw InvalidArgumentError("model '" + o.name + "': dropout must be in [0, 1), got " + std::to_string(o.dropout));
+  }
+}
+
+void AddHead(torch::nn::Sequential& layers, int64_t features, const ModelOptions& o) {
+  layers->push_back(torch::nn::Linear(features, o.hidden_units));
+  layers->push_back(torch::nn::ReLU());
+  if (o.dropout > 0) layers->push_back(torch::nn::Dropout(o.dropout));
+  layers->push_back(torch::nn::Linear(o.hidden_units, o.num_classes));
+}
+
+}  // namespace
+
+CnnImpl::CnnImpl(const ModelOptions& o) {
+  CheckSizes(o);
+  if (o.height % 4 != 0 || o.width % 4 != 0) {
+    throw InvalidArgumentError("model 'cnn': height and width must be divisible by 4");
+  }
+  using torch::nn::Conv2dOptions;
+  layers_->push_back(torch::nn::Conv2d(Conv2dOptions(o.in_channels, 32, 3).padding(1)));
+  layers_->push_back(torch::nn::ReLU());
+  layers_->push_back(torch::nn::MaxPool2d(torch::nn::MaxPool2dOptions(2)));
+  layers_->push_back(torch::nn::Conv2d(Conv2dOptions(32, 64, 3).padding(1)));
+  layers_->push_back(torch::nn::ReLU());
+  layers_->push_back(torch::nn::MaxPool2d(torch::nn::MaxPool2dOptions(2)));
+  layers_->push_back(torch::nn::Flatten());
+  AddHead(layers_, 64 * (o.height / 4) * (o.width / 4), o);
+  register_module("layers", layers_);
+}
+
+at::Tensor CnnImpl::forward(const at::Tensor& x) { return layers_->forward(x); }
+
+MlpImpl::MlpImpl(const ModelOptions& o) {
+  CheckSizes(o);
+  layers_->push_back(torch::nn::Flatten());
+  AddHead(layers_, o.in_channels * o.height * o.width, o);
+  register_module("layers", layers_);
+}
+
+at::Tensor MlpImpl::forward(const at::Tensor& x) { return layers_->forward(x); }
+
+BuiltModel BuildModel(const ModelOptions& options) {
+  if (options.name == "cnn") return {std::make_shared<CnnImpl>(options), ForwardOf<CnnImpl>()};
+  if (options.name == "mlp") return {std::make_shared<MlpImpl>(options), ForwardOf<MlpImpl>()};
+  throw InvalidArgumentError("unknown model '" + options.name + "' (known: cnn, mlp)");
+}
+
+int64_t CountTrainableWeights(const torch::nn::Module& module) {
+  int64_t count = 0;
+  for (const at::Tensor& p : module.parameters()) {
+    if (p.requires_grad()) count += p.numel();
+  }
+  return count;
+}
+
+}  // namespace lockstep

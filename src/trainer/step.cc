@@ -1,0 +1,171 @@
+#include "lockstep/step.h"
+
+#include <ATen/ATen.h>
+#include <ATen/core/grad_mode.h>
+#include <torch/nn/utils/clip_grad.h>
+
+#include <chrono>
+#include <string>
+
+#include "lockstep/errors.h"
+
+namespace lockstep {
+namespace {
+
+bool IsClassification(const at::Tensor& outputs, const at::Tensor& targets) {
+  return outputs.dim() == 2 && targets.dim() == 1 && !at::isFloatingType(targets.scalar_type()) &&
+         targets.scalar_type() != at::kBool;
+}
+
+void CheckPerExample(const at::Tensor& values, int64_t n, const std::string& what) {
+  if (values.dim() != 1 || values.size(0) != n) {
+    throw InvalidArgumentError(what + " must give one value per example: expected shape [" + std::to_string(n) +
+                               "], got " + c10::str(values.sizes()));
+  }
+}
+
+std::vector<at::Tensor> Gradients(const std::vector<at::Tensor>& params) {
+  std::vector<at::Tensor> grads;
+  grads.reserve(params.size());
+  for (const at::Tensor& p : params) {
+    if (p.grad().defined()) grads.push_back(p.grad());
+  }
+  return grads;
+}
+
+}  // namespace
+
+LossFn CrossEntropyLoss() {
+  return [](const at::Tensor& logits, const at::Tensor& targets) {
+    return at::cross_entropy_loss(logits, targets, /*weight=*/{}, at::Reduction::None);
+  };
+}
+
+MetricFn ClassificationMetrics(LossFn loss) {
+  return [loss = std::move(loss)](const at::Tensor& outputs, const Batch& batch) {
+    std::map<std::string, at::Tensor> values;
+    values[kLoss] = loss(outputs, batch.targets);
+    if (IsClassification(outputs, batch.targets)) {
+      values[kAccuracy] = outputs.argmax(1).eq(batch.targets).to(at::kFloat);
+    }
+    return values;
+  };
+}
+
+double GlobalL2Norm(const std::vector<at::Tensor>& tensors) {
+  if (tensors.empty()) return 0.0;
+  std::vector<at::Tensor> norms;
+  norms.reserve(tensors.size());
+  for (const at::Tensor& t : tensors) norms.push_back(t.detach().norm(2).to(at::kDouble));
+  return at::stack(norms).norm(2).item<double>();
+}
+
+MetricMap RunTrainStep(TrainState& state, const Batch& batch, const ApplyFn& apply, const LossFn& loss,
+                       const StepOptions& options) {
+  const auto start = std::chrono::steady_clock::now();
+  if (!state.model || !state.optimizer) throw InvalidArgumentError("train step: the state has no model or optimizer");
+  if (options.num_microbatches < 1) {
+    throw InvalidArgumentError("train step: num_microbatches must be >= 1, got " +
+                               std::to_string(options.num_microbatches));
+  }
+  const int64_t n = batch.size();
+  if (n == 0) throw InvalidArgumentError("train step: empty batch");
+  if (batch.targets.size(0) != n || (batch.weights.defined() && !(batch.weights.dim() == 1 && batch.weights.size(0) == n))) {
+    throw InvalidArgumentError("train step: inputs, targets and weights disagree on the number of examples");
+  }
+
+  torch::optim::Optimizer& optimizer = *state.optimizer;
+  double learning_rate = optimizer.param_groups().at(0).options().get_lr();
+  if (options.schedule) {
+    learning_rate = (*options.schedule)(state.step);
+    for (auto& group : optimizer.param_groups()) group.options().set_lr(learning_rate);
+  }
+
+  state.model->train();
+  optimizer.zero_grad();
+  const bool weighted = batch.weights.defined();
+  const double total_weight = weighted ? batch.weights.sum().item<double>() : static_cast<double>(n);
+  if (!(total_weight > 0)) throw InvalidArgumentError("train step: example weights must sum to a positive value");
+
+  // k microbatches whose sizes differ by at most one.
+  const int64_t k = std::min<int64_t>(options.num_microbatches, n);
+  at::Tensor loss_sum;
+  at::Tensor correct_sum;
+  int64_t offset = 0;
+  for (int64_t i = 0; i < k; ++i) {
+    const int64_t size = n / k + (i < n % k ? 1 : 0);
+    const at::Tensor inputs = batch.inputs.narrow(0, offset, size);
+    const at::Tensor targets = batch.targets.narrow(0, offset, size);
+    const at::Tensor outputs = apply(*state.model, inputs);
+    const at::Tensor per_example = loss(outputs, targets);
+    CheckPerExample(per_example, size, "the loss");
+    at::Tensor weights;
+    if (weighted) weights = batch.weights.narrow(0, offset, size).to(per_example.scalar_type());
+    const at::Tensor summed = weighted ? per_example.mul(weights).sum() : per_example.sum();
+    summed.div(total_weight).backward();
+
+    const at::Tensor detached = summed.detach();
+    loss_sum = loss_sum.defined() ? loss_sum.add(detached) : detached;
+    if (IsClassification(outputs, targets)) {
+      at::Tensor correct = outputs.detach().argmax(1).eq(targets).to(at::kFloat);
+      correct = weighted ? correct.mul(weights).sum() : correct.sum();
+      correct_sum = correct_sum.defined() ? correct_sum.add(correct) : correct;
+    }
+    offset += size;
+  }
+
+  const std::vector<at::Tensor> params = state.model->parameters();
+  double grad_norm = 0.0;
+  if (options.max_grad_norm > 0) {
+    grad_norm = torch::nn::utils::clip_grad_norm_(params, options.max_grad_norm);
+  } else {
+    grad_norm = GlobalL2Norm(Gradients(params));
+  }
+  optimizer.step();
+  ++state.step;
+
+  MetricMap metrics;
+  metrics[kLoss] = loss_sum.item<double>() / total_weight;
+  if (correct_sum.defined()) metrics[kAccuracy] = correct_sum.item<double>() / total_weight;
+  metrics[kLearningRate] = learning_rate;
+  metrics[kGradientsL2Norm] = grad_norm;
+  metrics[kWeightsL2Norm] = GlobalL2Norm(params);
+  metrics[kNumExamples] = static_cast<double>(n);
+  const double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+  metrics[kSecondsPerStep] = seconds;
+  metrics[kExamplesPerSecond] = seconds > 0 ? static_cast<double>(n) / seconds : 0.0;
+  return metrics;
+}
+
+void MetricSums::Merge(const MetricSums& other) {
+  for (const auto& [name, sum] : other.sums) sums[name] += sum;
+  weight += other.weight;
+}
+
+MetricMap MetricSums::Means() const {
+  MetricMap means;
+  for (const auto& [name, sum] : sums) means[name] = weight > 0 ? sum / weight : 0.0;
+  means[kNumExamples] = weight;
+  return means;
+}
+
+MetricSums RunEvalStep(torch::nn::Module& model, const Batch& batch, const ApplyFn& apply, const MetricFn& metrics) {
+  MetricSums out;
+  const int64_t n = batch.size();
+  if (n == 0) return out;
+  at::NoGradGuard no_grad;
+  const bool was_training = model.is_training();
+  model.eval();
+  const at::Tensor outputs = apply(model, batch.inputs);
+  const bool weighted = batch.weights.defined();
+  for (auto& [name, values] : metrics(outputs, batch)) {
+    CheckPerExample(values, n, "eval metric '" + name + "'");
+    const at::Tensor v = values.to(at::kDouble);
+    out.sums[name] = (weighted ? v.mul(batch.weights.to(at::kDouble)).sum() : v.sum()).item<double>();
+  }
+  out.weight = weighted ? batch.weights.sum().item<double>() : static_cast<double>(n);
+  model.train(was_training);
+  return out;
+}
+
+}  // namespace lockstep

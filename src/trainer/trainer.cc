@@ -1,0 +1,87 @@
+#include "lockstep/trainer.h"
+
+#include <string>
+#include <utility>
+
+#include "lockstep/errors.h"
+
+namespace lockstep {
+
+BaseTrainer::BaseTrainer(TrainState& state, Runtime runtime) : state_(state), runtime_(std::move(runtime)) {}
+
+void BaseTrainer::set_summary_every_steps(int64_t steps) {
+  if (steps <= 0) throw InvalidArgumentError("summary_every_steps must be positive, got " + std::to_string(steps));
+  summary_every_steps_ = steps;
+}
+
+void BaseTrainer::Emit(const Summary& summary) const {
+  if (!runtime_.is_chief()) return;
+  for (const SummarySink& sink : sinks_) sink(summary);
+}
+
+MetricMap BaseTrainer::Train(BatchIterator& data, int64_t num_steps, std::optional<int64_t> start_step) {
+  if (num_steps < 0) throw InvalidArgumentError("Train: num_steps must be >= 0, got " + std::to_string(num_steps));
+  if (start_step) {
+    if (*start_step < 0) throw InvalidArgumentError("Train: start_step must be >= 0");
+    state_.step = *start_step;
+  }
+  MetricsAccumulator period;
+  MetricMap last;
+  auto flush = [&] {
+    last = period.Flush();
+    Emit(Summary{"train", state_.step, last});
+  };
+  for (int64_t i = 0; i < num_steps; ++i) {
+    std::optional<Batch> batch = data.Next();
+    if (!batch) break;
+    const int64_t before = state_.step;
+    period.Add(TrainStep(*batch));
+    if (state_.step != before + 1) {
+      throw Error("TrainStep must advance state.step by exactly one (went from " + std::to_string(before) + " to " +
+                  std::to_string(state_.step) + ")");
+    }
+    if (state_.step % summary_every_steps_ == 0) flush();
+  }
+  if (!period.empty()) flush();
+  return last;
+}
+
+std::vector<std::pair<std::string, MetricMap>> BaseTrainer::Eval(const NamedBatchIterators& sets) {
+  std::vector<std::pair<std::string, MetricMap>> results;
+  for (const auto& [name, iterator] : sets) {
+    if (iterator == nullptr) throw InvalidArgumentError("Eval: no iterator for eval set '" + name + "'");
+    MetricSums total;
+    while (std::optional<Batch> batch = iterator->Next()) total.Merge(EvalStep(*batch));
+    MetricMap means = total.Means();
+    Emit(Summary{name, state_.step, means});
+    results.emplace_back(name, std::move(means));
+  }
+  return results;
+}
+
+Trainer::Trainer(TrainState& state, ApplyFn apply, LossFn loss, TrainerOptions options, Runtime runtime)
+    : BaseTrainer(state, std::move(runtime)),
+      apply_(std::move(apply)),
+      loss_(std::move(loss)),
+      options_([&] {
+        if (!options.eval_metrics) options.eval_metrics = ClassificationMetrics(loss_);
+        return std::move(options);
+      }()) {
+  if (!state.model || !state.optimizer) throw InvalidArgumentError("Trainer: the state has no model or optimizer");
+  if (!apply_ || !loss_) throw InvalidArgumentError("Trainer: apply and loss functions are required");
+  if (options_.step.num_microbatches < 1) {
+    throw InvalidArgumentError("Trainer: num_microbatches must be >= 1, got " +
+                               std::to_string(options_.step.num_microbatches));
+  }
+  if (options_.step.max_grad_norm < 0) throw InvalidArgumentError("Trainer: max_grad_norm must be >= 0");
+  if (options_.step.schedule) options_.step.schedule->Validate();
+  set_summary_every_steps(options_.summary_every_steps);
+}
+
+MetricMap Trainer::TrainStep(const Batch& batch) { return RunTrainStep(state(), batch, apply_, loss_, options_.step); }
+
+MetricSums Trainer::EvalStep(const Batch& batch) {
+  return RunEvalStep(*state().model, batch, apply_, options_.eval_metrics);
+}
+
+}  // namespace lockstep
