@@ -5,6 +5,7 @@ function(lockstep_add_test name)
   cmake_parse_arguments(ARG "" "TIMEOUT" "SOURCES;DEPS;LABELS" ${ARGN})
   add_executable(${name} ${ARG_SOURCES})
   target_link_libraries(${name} PRIVATE ${ARG_DEPS} lockstep_warnings GTest::gtest GTest::gmock GTest::gtest_main)
+  target_include_directories(${name} PRIVATE ${PROJECT_SOURCE_DIR})
   target_compile_definitions(${name} PRIVATE
     LOCKSTEP_SOURCE_DIR="${PROJECT_SOURCE_DIR}" LOCKSTEP_BINARY_DIR="${PROJECT_BINARY_DIR}")
   lockstep_use_pch(${name})

@@ -6,7 +6,6 @@
 //
 // Exit codes: 0 done; 1 a failure while running (unreadable data, a libtorch
 // error); 2 a bad command line or config (the message names the flag or field).
-#include <ATen/Parallel.h>
 #include <torch/utils.h>
 
 #include <chrono>
@@ -26,6 +25,7 @@
 #include "lockstep/errors.h"
 #include "lockstep/models.h"
 #include "lockstep/runtime.h"
+#include "lockstep/torch_setup.h"
 #include "lockstep/trainer.h"
 
 ABSL_FLAG(std::string, config, "", "Path to a TrainerConfig in protobuf text format (proto/config.proto); "
@@ -93,7 +93,7 @@ Datasets LoadData(const config::TrainerConfig& cfg) {
 
 int Run(const config::TrainerConfig& cfg, const Runtime& runtime) {
   const auto run_start = std::chrono::steady_clock::now();
-  if (cfg.num_threads() > 0) at::set_num_threads(cfg.num_threads());
+  const int threads = ConfigureTorchForTraining(cfg.num_threads());
   const std::filesystem::path output_dir = cfg.output_dir();
   if (runtime.is_chief()) {
     std::filesystem::create_directories(output_dir);
@@ -103,7 +103,7 @@ int Run(const config::TrainerConfig& cfg, const Runtime& runtime) {
   const Datasets data = LoadData(cfg);
   std::printf("lockstep_train: rank %d of %d on %s, %d threads; data: %s (%" PRId64 " train, %" PRId64
               " test examples); config written to %s\n",
-              runtime.rank, runtime.world_size, runtime.host.c_str(), at::get_num_threads(), data.description.c_str(),
+              runtime.rank, runtime.world_size, runtime.host.c_str(), threads, data.description.c_str(),
               data.train->size(), data.test->size(), (output_dir / "config.textproto").c_str());
 
   torch::manual_seed(cfg.seed());

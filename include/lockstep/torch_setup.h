@@ -1,0 +1,19 @@
+// Process-wide libtorch settings for training on CPUs. Call once at start-up,
+// before any other thread exists (threads inherit the floating-point mode).
+//
+// - Intra-op threads: `num_threads`, or when 0 one per available core. Debian's
+//   libtorch otherwise asks OpenMP, which may report a single thread.
+// - Denormal floats are flushed to zero (as torch.set_flush_denormal(True)): as a
+//   classifier grows confident, softmax gradients underflow into denormals, and
+//   x86 arithmetic on them is so slow that a step took 4x longer on this CNN.
+#ifndef LOCKSTEP_TORCH_SETUP_H_
+#define LOCKSTEP_TORCH_SETUP_H_
+
+namespace lockstep {
+
+// Returns the number of intra-op threads in effect.
+int ConfigureTorchForTraining(int num_threads = 0);
+
+}  // namespace lockstep
+
+#endif  // LOCKSTEP_TORCH_SETUP_H_
