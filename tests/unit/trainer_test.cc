@@ -1,0 +1,225 @@
+// BaseTrainer's loop, the default Trainer, the composable TrainLoop / EvalLoop and
+// the metrics that they emit.
+#include <ATen/ATen.h>
+#include <gmock/gmock.h>
+#include <gtest/gtest.h>
+
+#include <vector>
+
+#include "lockstep/errors.h"
+#include "lockstep/metrics.h"
+#include "lockstep/train_loop.h"
+#include "lockstep/trainer.h"
+#include "tests/testing/tiny_problem.h"
+
+namespace lockstep {
+namespace {
+
+using testing::MaxRelativeDifference;
+using testing::Snapshot;
+using testing::TinyDataset;
+using testing::TinyModel;
+using ::testing::ElementsAre;
+using ::testing::HasSubstr;
+
+OptimizerFactory Adam() {
+  OptimizerOptions o;
+  o.learning_rate = 0.01;
+  return MakeOptimizerFactory(o);
+}
+
+ShardingOptions Sharding(int64_t batch, int64_t epochs = -1) {
+  ShardingOptions o;
+  o.global_batch_size = batch;
+  o.seed = 1;
+  o.num_epochs = epochs;
+  return o;
+}
+
+// A user's trainer: counts its steps and records the step numbers it saw.
+class CountingTrainer : public BaseTrainer {
+ public:
+  using BaseTrainer::BaseTrainer;
+  std::vector<int64_t> seen_steps;
+  bool skip_increment = false;
+
+ protected:
+  MetricMap TrainStep(const Batch& batch) override {
+    seen_steps.push_back(state().step);
+    if (!skip_increment) ++state().step;
+    return {{kLoss, static_cast<double>(state().step)}, {kNumExamples, static_cast<double>(batch.size())}};
+  }
+  MetricSums EvalStep(const Batch& batch) override {
+    MetricSums sums;
+    sums.sums["count"] = static_cast<double>(batch.size());
+    sums.weight = static_cast<double>(batch.size());
+    return sums;
+  }
+};
+
+TEST(BaseTrainerTest, RunsTheSubclassStepAndEmitsSummaries) {
+  TrainState state;
+  CountingTrainer trainer(state, Runtime::SingleProcess());
+  trainer.set_summary_every_steps(4);
+  std::vector<Summary> summaries;
+  trainer.AddSummarySink([&](const Summary& s) { summaries.push_back(s); });
+  ShardedBatchIterator data(TinyDataset(100), Sharding(10));
+  trainer.Train(data, 10, /*start_step=*/3);
+  EXPECT_EQ(state.step, 13);
+  EXPECT_THAT(trainer.seen_steps, ElementsAre(3, 4, 5, 6, 7, 8, 9, 10, 11, 12));
+  ASSERT_EQ(summaries.size(), 4u);  // at steps 4, 8, 12 and the final 13
+  EXPECT_EQ(summaries[0].step, 4);
+  EXPECT_EQ(summaries[1].step, 8);
+  EXPECT_EQ(summaries[2].step, 12);
+  EXPECT_EQ(summaries[3].step, 13);
+  EXPECT_DOUBLE_EQ(summaries[3].metrics.at(kLoss), 13);
+  EXPECT_DOUBLE_EQ(summaries[1].metrics.at(kLoss), (5 + 6 + 7 + 8) / 4.0);
+  EXPECT_EQ(summaries[0].task, "train");
+  // Continues from the caller's state.
+  trainer.Train(data, 2);
+  EXPECT_EQ(state.step, 15);
+}
+
+TEST(BaseTrainerTest, StopsWhenTheDataRunsOut) {
+  TrainState state;
+  CountingTrainer trainer(state, Runtime::SingleProcess());
+  ShardedBatchIterator data(TinyDataset(25), Sharding(10, /*epochs=*/1));
+  trainer.Train(data, 100);
+  EXPECT_EQ(state.step, 3);
+}
+
+TEST(BaseTrainerTest, AStepThatDoesNotAdvanceIsAnError) {
+  TrainState state;
+  CountingTrainer trainer(state, Runtime::SingleProcess());
+  trainer.skip_increment = true;
+  ShardedBatchIterator data(TinyDataset(25), Sharding(10));
+  EXPECT_THAT([&] { trainer.Train(data, 1); }, ::testing::ThrowsMessage<Error>(HasSubstr("exactly one")));
+}
+
+TEST(BaseTrainerTest, OnlyRankZeroCallsSinks) {
+  TrainState state;
+  Runtime rank1;
+  rank1.rank = 1;
+  rank1.world_size = 2;
+  CountingTrainer trainer(state, rank1);
+  int calls = 0;
+  trainer.AddSummarySink([&](const Summary&) { ++calls; });
+  ShardedBatchIterator data(TinyDataset(25), Sharding(10));
+  trainer.Train(data, 3);
+  EXPECT_EQ(state.step, 3);
+  EXPECT_EQ(calls, 0);
+}
+
+TEST(TrainerTest, LearnsAndTheCallerHoldsTheTrainedState) {
+  BuiltModel model = TinyModel(1);
+  TrainState state = MakeTrainState(model.module, Adam());
+  const std::vector<at::Tensor> initial = Snapshot(*model.module);
+  const at::Tensor first_weight = model.module->parameters().front();
+  TrainerOptions options;
+  options.summary_every_steps = 50;
+  Trainer trainer(state, model.apply, CrossEntropyLoss(), options);
+  std::vector<Summary> summaries;
+  trainer.AddSummarySink([&](const Summary& s) { summaries.push_back(s); });
+
+  auto train_set = TinyDataset(512, 1);
+  auto test_set = TinyDataset(256, 2);
+  ShardedBatchIterator train(train_set, Sharding(32));
+  ShardingOptions eval = Sharding(64, /*epochs=*/1);
+  eval.shuffle = false;
+  ShardedBatchIterator before_it(test_set, eval);
+  const double accuracy_before = trainer.Eval({{"test", &before_it}}).front().second.at(kAccuracy);
+
+  const MetricMap last = trainer.Train(train, 150);
+  EXPECT_EQ(state.step, 150);
+  EXPECT_LT(last.at(kLoss), summaries.front().metrics.at(kLoss));
+  ShardedBatchIterator test_it(test_set, eval);
+  ShardedBatchIterator train_eval_it(train_set, eval);
+  const auto results = trainer.Eval({{"test", &test_it}, {"train_eval", &train_eval_it}});
+  ASSERT_EQ(results.size(), 2u);
+  EXPECT_EQ(results[0].first, "test");
+  EXPECT_EQ(results[0].second.at(kNumExamples), 256);
+  EXPECT_GT(results[0].second.at(kAccuracy), accuracy_before + 0.2);
+  EXPECT_GT(results[0].second.at(kAccuracy), 0.6);
+  EXPECT_EQ(summaries.back().task, "train_eval");
+  EXPECT_EQ(summaries.back().step, 150);
+  // No stale copy: the caller's module object was trained in place.
+  EXPECT_TRUE(first_weight.is_same(state.model->parameters().front()));
+  EXPECT_GT(MaxRelativeDifference(Snapshot(*state.model), initial), 0.01);
+}
+
+TEST(TrainerTest, RejectsAnIncompleteState) {
+  TrainState empty;
+  BuiltModel model = TinyModel(1);
+  EXPECT_THROW(Trainer(empty, model.apply, CrossEntropyLoss(), TrainerOptions{}), InvalidArgumentError);
+  TrainState state = MakeTrainState(model.module, Adam());
+  TrainerOptions bad;
+  bad.summary_every_steps = 0;
+  EXPECT_THROW(Trainer(state, model.apply, CrossEntropyLoss(), bad), InvalidArgumentError);
+}
+
+// TrainLoop and Trainer share one step implementation: the same init, data and
+// options give the same parameters.
+TEST(TrainLoopTest, YieldsCheckpointsAndMatchesTheTrainer) {
+  auto dataset = TinyDataset(200, 4);
+  StepOptions step_options;
+  step_options.num_microbatches = 3;
+  step_options.max_grad_norm = 1.0;
+  TrainLoop loop{[] { return TinyModel(9).module; },
+                 TrainTask{TinyModel(9).apply, Adam(), CrossEntropyLoss(),
+                           std::make_shared<ShardedBatchIterator>(dataset, Sharding(16)), step_options},
+                 /*n_steps_per_checkpoint=*/3, /*n_steps=*/10};
+  EvalLoop eval{EvalTask{TinyModel(9).apply, ClassificationMetrics(CrossEntropyLoss()),
+                         [&] { return std::make_unique<ShardedBatchIterator>(dataset, Sharding(50, 1)); }, "holdout"},
+                /*n_steps=*/2};
+  std::vector<int64_t> steps;
+  std::vector<Summary> summaries;
+  TrainState final_state;
+  for (auto& checkpoint : loop) {
+    steps.push_back(checkpoint.step);
+    EXPECT_EQ(checkpoint.state.step, checkpoint.step);
+    EXPECT_TRUE(checkpoint.metrics.count(kLoss));
+    summaries.push_back(eval(checkpoint));
+    final_state = checkpoint.state;
+  }
+  EXPECT_THAT(steps, ElementsAre(3, 6, 9, 10));
+  ASSERT_EQ(summaries.size(), 4u);
+  EXPECT_EQ(summaries.back().task, "holdout");
+  EXPECT_EQ(summaries.back().step, 10);
+  EXPECT_EQ(summaries.back().metrics.at(kNumExamples), 100);  // n_steps=2 batches of 50
+
+  BuiltModel model = TinyModel(9);
+  TrainState state = MakeTrainState(model.module, Adam());
+  TrainerOptions options;
+  options.step = step_options;
+  Trainer trainer(state, model.apply, CrossEntropyLoss(), options);
+  ShardedBatchIterator data(dataset, Sharding(16));
+  trainer.Train(data, 10);
+  EXPECT_EQ(MaxRelativeDifference(Snapshot(*final_state.model), Snapshot(*state.model)), 0.0);
+}
+
+TEST(TrainLoopTest, RejectsMissingParts) {
+  TrainLoop loop{nullptr, TrainTask{}, 1, 1};
+  EXPECT_THROW(loop.begin(), InvalidArgumentError);
+}
+
+TEST(MetricsTest, SummaryLinesHaveTheDocumentedForm) {
+  Summary s{"train", 100, {{kLoss, 0.4123}, {kAccuracy, 0.875}, {kNumExamples, 128}}};
+  EXPECT_THAT(FormatSummary(s), ElementsAre("Step    100: train accuracy | 0.87500000",
+                                            "Step    100: train loss | 0.41230000"));
+}
+
+TEST(MetricsTest, AccumulatorWeightsByExamplesAndKeepsTheLastLearningRate) {
+  MetricsAccumulator acc;
+  acc.Add({{kLoss, 1.0}, {kNumExamples, 10}, {kLearningRate, 0.1}, {kSecondsPerStep, 1.0}, {kGradientsL2Norm, 2}});
+  acc.Add({{kLoss, 4.0}, {kNumExamples, 30}, {kLearningRate, 0.2}, {kSecondsPerStep, 3.0}, {kGradientsL2Norm, 4}});
+  const MetricMap m = acc.Flush();
+  EXPECT_DOUBLE_EQ(m.at(kLoss), (10 * 1.0 + 30 * 4.0) / 40);
+  EXPECT_DOUBLE_EQ(m.at(kLearningRate), 0.2);
+  EXPECT_DOUBLE_EQ(m.at(kSecondsPerStep), 2.0);
+  EXPECT_DOUBLE_EQ(m.at(kExamplesPerSecond), 40 / 4.0);
+  EXPECT_DOUBLE_EQ(m.at(kGradientsL2Norm), 3.0);
+  EXPECT_TRUE(acc.empty());
+}
+
+}  // namespace
+}  // namespace lockstep
