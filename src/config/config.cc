@@ -12,6 +12,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
 #include "absl/strings/str_split.h"
+#include "absl/strings/ascii.h"
 #include "absl/strings/strip.h"
 
 namespace lockstep {
@@ -19,12 +20,18 @@ namespace {
 
 namespace pb = google::protobuf;
 
-// Collects the text-format parser's errors as "source:line:column: message".
+// Collects the text-format parser's errors as "source:line:column: message (in
+// `the offending line`)", so that a bad value is reported with its field name.
 class ErrorList : public pb::io::ErrorCollector {
  public:
-  explicit ErrorList(std::string source) : source_(std::move(source)) {}
+  ErrorList(std::string source, const std::string& text)
+      : source_(std::move(source)), lines_(absl::StrSplit(text, '\n')) {}
   void AddError(int line, pb::io::ColumnNumber column, const std::string& message) override {
-    errors_.push_back(absl::StrCat(source_, ":", line + 1, ":", column + 1, ": ", message));
+    std::string error = absl::StrCat(source_, ":", line + 1, ":", column + 1, ": ", message);
+    if (line >= 0 && static_cast<size_t>(line) < lines_.size()) {
+      absl::StrAppend(&error, " (in `", absl::StripAsciiWhitespace(lines_[line]), "`)");
+    }
+    errors_.push_back(std::move(error));
   }
   void AddWarning(int line, pb::io::ColumnNumber column, const std::string& message) override {
     AddError(line, column, message);
@@ -33,11 +40,12 @@ class ErrorList : public pb::io::ErrorCollector {
 
  private:
   const std::string source_;
+  const std::vector<std::string> lines_;
   std::vector<std::string> errors_;
 };
 
 absl::Status ParseInto(const std::string& text, const std::string& source, pb::Message* message) {
-  ErrorList errors(source);
+  ErrorList errors(source, text);
   pb::TextFormat::Parser parser;
   parser.RecordErrorsTo(&errors);
   if (!parser.MergeFromString(text, message)) return absl::InvalidArgumentError(errors.ToString());

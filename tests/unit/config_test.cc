@@ -1,0 +1,196 @@
+// The config layer, and the lockstep_train binary's command line: bad input gets a
+// message naming the field and exit code 2.
+#include <gmock/gmock.h>
+#include <gtest/gtest.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <array>
+#include <cstdio>
+#include <filesystem>
+#include <regex>
+#include <string>
+
+#include "google/protobuf/util/message_differencer.h"
+#include "lockstep/config.h"
+
+namespace lockstep {
+namespace {
+
+using ::testing::HasSubstr;
+
+TEST(ConfigTest, ParseErrorsNameTheFileLineAndField) {
+  absl::StatusOr<config::TrainerConfig> cfg = ParseConfig("num_train_steps: 5\nnum_train_stepz: 6\n", "my.textproto");
+  ASSERT_FALSE(cfg.ok());
+  EXPECT_EQ(cfg.status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_THAT(cfg.status().message(), HasSubstr("my.textproto:2:"));
+  EXPECT_THAT(cfg.status().message(), HasSubstr("num_train_stepz"));
+  EXPECT_EQ(LoadConfigFile("/nonexistent.textproto").status().code(), absl::StatusCode::kNotFound);
+}
+
+TEST(ConfigTest, OverridesSetNestedFieldsOfEveryType) {
+  config::TrainerConfig cfg;
+  ASSERT_TRUE(ApplyOverride("optimizer.learning_rate=0.25", &cfg).ok());
+  ASSERT_TRUE(ApplyOverride("optimizer.kind=SGD", &cfg).ok());
+  ASSERT_TRUE(ApplyOverride("data.dir=/tmp/some dir", &cfg).ok());
+  ASSERT_TRUE(ApplyOverride("data.shuffle=false", &cfg).ok());
+  ASSERT_TRUE(ApplyOverride("num_microbatches=4", &cfg).ok());
+  EXPECT_EQ(cfg.optimizer().learning_rate(), 0.25);
+  EXPECT_EQ(cfg.optimizer().kind(), config::OptimizerConfig::SGD);
+  EXPECT_EQ(cfg.data().dir(), "/tmp/some dir");
+  EXPECT_FALSE(cfg.data().shuffle());
+  EXPECT_EQ(cfg.num_microbatches(), 4);
+  ASSERT_TRUE(ApplyOverride("num_microbatches=2", &cfg).ok());
+  EXPECT_EQ(cfg.num_microbatches(), 2) << "a later override wins";
+}
+
+TEST(ConfigTest, BadOverridesNameTheProblem) {
+  config::TrainerConfig cfg;
+  EXPECT_THAT(ApplyOverride("optimizer.learning_rat=1", &cfg).message(), HasSubstr("no field named 'learning_rat'"));
+  EXPECT_THAT(ApplyOverride("optimizer=1", &cfg).message(), HasSubstr("is a message"));
+  EXPECT_THAT(ApplyOverride("num_train_steps.x=1", &cfg).message(), HasSubstr("not a message"));
+  EXPECT_THAT(ApplyOverride("num_train_steps=ten", &cfg).message(), HasSubstr("num_train_steps"));
+  EXPECT_THAT(ApplyOverride("optimizer.kind=LBFGS", &cfg).message(), HasSubstr("LBFGS"));
+  EXPECT_THAT(ApplyOverride("no_equals_sign", &cfg).message(), HasSubstr("expected field.path=value"));
+}
+
+TEST(ConfigTest, ValidationNamesTheField) {
+  const std::vector<std::pair<std::string, std::string>> cases = {
+      {"optimizer.learning_rate=0", "optimizer.learning_rate"},
+      {"optimizer.momentum=1.5", "optimizer.momentum"},
+      {"optimizer.beta2=1", "optimizer.beta2"},
+      {"schedule.final_fraction=2", "schedule.final_fraction"},
+      {"schedule.warmup_steps=-1", "schedule.warmup_steps"},
+      {"data.global_batch_size=0", "data.global_batch_size"},
+      {"num_train_steps=0", "num_train_steps"},
+      {"summary_every_steps=0", "summary_every_steps"},
+      {"num_microbatches=0", "num_microbatches"},
+      {"num_microbatches=129", "num_microbatches"},
+      {"max_grad_norm=-1", "max_grad_norm"},
+      {"model.name=resnet", "model.name"},
+      {"model.dropout=1", "model.dropout"},
+      {"output_dir=", "output_dir"},
+  };
+  for (const auto& [assignment, field] : cases) {
+    absl::StatusOr<config::TrainerConfig> cfg = BuildConfig("", {assignment});
+    ASSERT_FALSE(cfg.ok()) << assignment;
+    EXPECT_EQ(cfg.status().code(), absl::StatusCode::kInvalidArgument);
+    EXPECT_THAT(cfg.status().message(), HasSubstr("'" + field + "'")) << assignment;
+  }
+  EXPECT_THAT(BuildConfig("", {"data.global_batch_size=10"}, /*world_size=*/3).status().message(),
+              HasSubstr("divisible by the world size 3"));
+}
+
+TEST(ConfigTest, ShippedConfigsAreValidAndRoundTrip) {
+  for (const auto& entry : std::filesystem::directory_iterator(std::string(LOCKSTEP_SOURCE_DIR) + "/configs")) {
+    SCOPED_TRACE(entry.path().string());
+    absl::StatusOr<config::TrainerConfig> cfg = BuildConfig(entry.path().string(), {});
+    ASSERT_TRUE(cfg.ok()) << cfg.status();
+    absl::StatusOr<config::TrainerConfig> again = ParseConfig(ConfigToText(*cfg), "resolved");
+    ASSERT_TRUE(again.ok()) << again.status();
+    EXPECT_TRUE(google::protobuf::util::MessageDifferencer::Equals(*cfg, *again));
+  }
+}
+
+TEST(ConfigTest, CosineDecayStepsDefaultToTheRestOfTraining) {
+  absl::StatusOr<config::TrainerConfig> cfg =
+      BuildConfig("", {"schedule.decay=COSINE", "schedule.warmup_steps=100", "num_train_steps=1000"});
+  ASSERT_TRUE(cfg.ok()) << cfg.status();
+  EXPECT_EQ(cfg->schedule().decay_steps(), 900);
+  const LrSchedule schedule = ToLrSchedule(*cfg);
+  EXPECT_EQ(schedule.decay, LrSchedule::Decay::kCosine);
+  EXPECT_NO_THROW(schedule.Validate());
+}
+
+struct Result {
+  int exit_code = -1;
+  std::string output;
+};
+
+// Runs lockstep_train with the given arguments; stdout and stderr together.
+Result RunTrainBinary(const std::string& args) {
+  const std::string command = std::string(LOCKSTEP_BINARY_DIR) + "/lockstep_train " + args + " 2>&1";
+  Result result;
+  FILE* pipe = popen(command.c_str(), "r");
+  if (pipe == nullptr) return result;
+  std::array<char, 4096> buffer{};
+  size_t n = 0;
+  while ((n = fread(buffer.data(), 1, buffer.size(), pipe)) > 0) result.output.append(buffer.data(), n);
+  const int status = pclose(pipe);
+  result.exit_code = WIFEXITED(status) ? WEXITSTATUS(status) : -1;
+  return result;
+}
+
+class TrainBinaryTest : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    std::string pattern = (std::filesystem::temp_directory_path() / "lockstep_train_test_XXXXXX").string();
+    dir_ = mkdtemp(pattern.data());
+  }
+  void TearDown() override { std::filesystem::remove_all(dir_); }
+  std::string dir_;
+};
+
+TEST_F(TrainBinaryTest, BadFlagsAndConfigsExitWithCode2) {
+  Result r = RunTrainBinary("--no_such_flag=1");
+  EXPECT_EQ(r.exit_code, 2);
+  EXPECT_THAT(r.output, HasSubstr("no_such_flag"));
+
+  r = RunTrainBinary("--set=optimizer.learning_rate=-3");
+  EXPECT_EQ(r.exit_code, 2);
+  EXPECT_THAT(r.output, HasSubstr("'optimizer.learning_rate' must be positive"));
+
+  r = RunTrainBinary("--set=model.nme=cnn");
+  EXPECT_EQ(r.exit_code, 2);
+  EXPECT_THAT(r.output, HasSubstr("no field named 'nme'"));
+
+  r = RunTrainBinary("--set=num_train_steps=1 --set=seed=2");
+  EXPECT_EQ(r.exit_code, 2);
+  EXPECT_THAT(r.output, HasSubstr("--set given 2 times"));
+
+  std::FILE* bad = std::fopen((dir_ + "/bad.textproto").c_str(), "w");
+  std::fputs("optimizer {\n  kind: ADAM\n  learning_rate: \"fast\"\n}\n", bad);
+  std::fclose(bad);
+  r = RunTrainBinary("--config=" + dir_ + "/bad.textproto");
+  EXPECT_EQ(r.exit_code, 2);
+  EXPECT_THAT(r.output, HasSubstr("bad.textproto:3:"));
+  EXPECT_THAT(r.output, HasSubstr("learning_rate"));
+
+  r = RunTrainBinary("--config=" + dir_ + "/missing.textproto");
+  EXPECT_EQ(r.exit_code, 2);
+  EXPECT_THAT(r.output, HasSubstr("missing.textproto"));
+
+  r = RunTrainBinary("stray_argument");
+  EXPECT_EQ(r.exit_code, 2);
+  EXPECT_THAT(r.output, HasSubstr("stray_argument"));
+}
+
+TEST_F(TrainBinaryTest, MissingDataIsARuntimeFailureNamingTheFile) {
+  const Result r = RunTrainBinary("--set=data.dir=" + dir_ + "/nowhere,output_dir=" + dir_ + "/out");
+  EXPECT_EQ(r.exit_code, 1);
+  EXPECT_THAT(r.output, HasSubstr(dir_ + "/nowhere/train-images-idx3-ubyte.gz"));
+}
+
+TEST_F(TrainBinaryTest, TrainsOnSyntheticDataAndWritesTheResolvedConfig) {
+  const Result r = RunTrainBinary(
+      "--set=data.source=SYNTHETIC,model.name=mlp,num_train_steps=30,eval_every_steps=20,summary_every_steps=10,"
+      "data.global_batch_size=32,data.synthetic_train_examples=256,data.synthetic_eval_examples=64,output_dir=" +
+      dir_ + "/run");
+  ASSERT_EQ(r.exit_code, 0) << r.output;
+  EXPECT_THAT(r.output, ::testing::ContainsRegex("Model: mlp, [0-9]+ trainable weights, initialised in [0-9.]+ s"));
+  for (const std::string metric : {"loss", "accuracy", "learning_rate", "gradients_l2norm", "weights_l2norm",
+                                   "seconds_per_step", "examples_per_second"}) {
+    EXPECT_TRUE(std::regex_search(r.output, std::regex("\nStep     10: train " + metric + " \\| [0-9]+\\.[0-9]{8}\n")))
+        << metric << " missing from\n" << r.output;
+  }
+  EXPECT_THAT(r.output, HasSubstr("Step     20: test accuracy | "));
+  EXPECT_THAT(r.output, HasSubstr("Step     30: test loss | "));
+  absl::StatusOr<config::TrainerConfig> written = LoadConfigFile(dir_ + "/run/config.textproto");
+  ASSERT_TRUE(written.ok()) << written.status();
+  EXPECT_EQ(written->num_train_steps(), 30);
+  EXPECT_EQ(written->data().source(), config::DataConfig::SYNTHETIC);
+  EXPECT_EQ(written->optimizer().learning_rate(), 0.001) << "defaults are written out too";
+}
+
+}  // namespace
+}  // namespace lockstep
