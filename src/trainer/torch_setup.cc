@@ -2,6 +2,7 @@
 
 #include <ATen/Context.h>
 #include <ATen/Parallel.h>
+#include <dlfcn.h>
 #include <sched.h>
 
 #include <thread>
@@ -15,10 +16,23 @@ int AvailableCores() {
   return static_cast<int>(std::thread::hardware_concurrency());
 }
 
+// libtorch parallelises operators over its OpenMP threads; OpenBLAS built with
+// pthreads would start its own pool on the same cores inside each matrix product.
+// Found at run time, so that any BLAS (or none) behind libblas.so.3 works.
+void MakeOpenBlasSingleThreaded() {
+  using SetThreads = void (*)(int);
+  using Shutdown = int (*)();
+  if (void* symbol = dlsym(RTLD_DEFAULT, "openblas_set_num_threads")) reinterpret_cast<SetThreads>(symbol)(1);
+  // The idle pool still costs time (3.5x per step here) until it is shut down;
+  // with one thread OpenBLAS never restarts it.
+  if (void* symbol = dlsym(RTLD_DEFAULT, "blas_thread_shutdown_")) reinterpret_cast<Shutdown>(symbol)();
+}
+
 }  // namespace
 
 int ConfigureTorchForTraining(int num_threads) {
   at::globalContext().setFlushDenormal(true);
+  MakeOpenBlasSingleThreaded();
   const int threads = num_threads > 0 ? num_threads : AvailableCores();
   if (threads > 0) at::set_num_threads(threads);
   return at::get_num_threads();
