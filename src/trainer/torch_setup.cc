@@ -3,6 +3,7 @@
 #include <ATen/Context.h>
 #include <ATen/Parallel.h>
 #include <dlfcn.h>
+#include <malloc.h>
 #include <sched.h>
 
 #include <thread>
@@ -28,11 +29,21 @@ void MakeOpenBlasSingleThreaded() {
   if (void* symbol = dlsym(RTLD_DEFAULT, "blas_thread_shutdown_")) reinterpret_cast<Shutdown>(symbol)();
 }
 
+// Every step allocates and frees activations of several MiB. With glibc's default
+// thresholds these are mmapped and unmapped (or trimmed off the heap) each time, and
+// the kernel zero-fills fresh pages on every step: measured at 0.10 s per CNN step
+// against 0.036 s with the memory kept in the heap.
+void KeepActivationsInTheHeap() {
+  mallopt(M_MMAP_THRESHOLD, 32 << 20);  // glibc's largest allowed value on 64-bit
+  mallopt(M_TRIM_THRESHOLD, 1 << 30);
+}
+
 }  // namespace
 
 int ConfigureTorchForTraining(int num_threads) {
   at::globalContext().setFlushDenormal(true);
   MakeOpenBlasSingleThreaded();
+  KeepActivationsInTheHeap();
   const int threads = num_threads > 0 ? num_threads : AvailableCores();
   if (threads > 0) at::set_num_threads(threads);
   return at::get_num_threads();
