@@ -49,7 +49,7 @@ TEST(FashionMnistEndToEndTest, DefaultCnnReachesAtLeast85PercentTestAccuracy) {
   ASSERT_EQ(state.step, kSteps);
 
   ShardingOptions eval;
-  eval.global_batch_size = 1000;
+  eval.global_batch_size = 250;
   eval.shuffle = false;
   eval.num_epochs = 1;
   ShardedBatchIterator test_data(test, eval);
