@@ -1,0 +1,124 @@
+// Trainer step time against a hand-written libtorch loop on the same CNN, batch and
+// data, measured in the same run with randomly interleaved repetitions. Prints the
+// ratio of the medians; the foundation issue asks for <= 1.03.
+//
+//   build/benchmarks/trainer_step_benchmark [--benchmark_repetitions=N]
+#include <ATen/ATen.h>
+#include <benchmark/benchmark.h>
+
+#include <cstdio>
+#include <map>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "lockstep/data.h"
+#include "lockstep/models.h"
+#include "lockstep/torch_setup.h"
+#include "lockstep/trainer.h"
+
+namespace lockstep {
+namespace {
+
+constexpr int64_t kBatch = 128;
+constexpr int kStepsPerIteration = 10;
+
+// The same 20 batches of Fashion-MNIST-shaped synthetic data for both loops.
+const std::vector<Batch>& Batches() {
+  static const std::vector<Batch> batches = [] {
+    SyntheticOptions o;
+    o.num_examples = 20 * kBatch;
+    o.seed = 1;
+    const TensorDataset data = MakeSyntheticDataset(o);
+    std::vector<Batch> out;
+    for (int64_t i = 0; i < 20; ++i) out.push_back(data.Gather(at::arange(i * kBatch, (i + 1) * kBatch, at::kLong)));
+    return out;
+  }();
+  return batches;
+}
+
+class CyclingIterator : public BatchIterator {
+ public:
+  std::optional<Batch> Next() override { return Batches()[next_++ % Batches().size()]; }
+
+ private:
+  size_t next_ = 0;
+};
+
+OptimizerOptions Adam() {
+  OptimizerOptions o;
+  o.learning_rate = 1e-3;
+  return o;
+}
+
+void BM_HandWrittenLoop(benchmark::State& bench) {
+  at::manual_seed(0);
+  auto model = std::make_shared<CnnImpl>(ModelOptions{});
+  std::unique_ptr<torch::optim::Optimizer> optimizer = MakeOptimizerFactory(Adam())(model->parameters());
+  size_t next = 0;
+  for (auto _ : bench) {
+    for (int i = 0; i < kStepsPerIteration; ++i) {
+      const Batch& batch = Batches()[next++ % Batches().size()];
+      optimizer->zero_grad();
+      at::Tensor loss = at::cross_entropy_loss(model->forward(batch.inputs), batch.targets);
+      loss.backward();
+      optimizer->step();
+      benchmark::DoNotOptimize(loss.item<float>());
+    }
+  }
+  bench.SetItemsProcessed(bench.iterations() * kStepsPerIteration * kBatch);
+}
+
+void BM_Trainer(benchmark::State& bench) {
+  at::manual_seed(0);
+  BuiltModel model = BuildModel(ModelOptions{});
+  TrainState state = MakeTrainState(model.module, MakeOptimizerFactory(Adam()));
+  TrainerOptions options;
+  options.summary_every_steps = 1000000;
+  Trainer trainer(state, model.apply, CrossEntropyLoss(), options);
+  CyclingIterator data;
+  for (auto _ : bench) benchmark::DoNotOptimize(trainer.Train(data, kStepsPerIteration));
+  bench.SetItemsProcessed(bench.iterations() * kStepsPerIteration * kBatch);
+}
+
+BENCHMARK(BM_HandWrittenLoop)->Unit(benchmark::kMillisecond)->MinTime(2.0)->UseRealTime();
+BENCHMARK(BM_Trainer)->Unit(benchmark::kMillisecond)->MinTime(2.0)->UseRealTime();
+
+// Prints what the console reporter prints, and keeps each benchmark's median.
+class RatioReporter : public benchmark::ConsoleReporter {
+ public:
+  void ReportRuns(const std::vector<Run>& runs) override {
+    ConsoleReporter::ReportRuns(runs);
+    for (const Run& run : runs) {
+      if (run.run_type == Run::RT_Aggregate && run.aggregate_name == "median") {
+        medians[run.run_name.function_name] = run.GetAdjustedRealTime();
+      } else if (run.run_type == Run::RT_Iteration && run.repetitions <= 1) {
+        medians[run.run_name.function_name] = run.GetAdjustedRealTime();
+      }
+    }
+  }
+  std::map<std::string, double> medians;
+};
+
+}  // namespace
+}  // namespace lockstep
+
+int main(int argc, char** argv) {
+  lockstep::ConfigureTorchForTraining();
+  std::vector<char*> args(argv, argv + argc);
+  std::string repetitions = "--benchmark_repetitions=5";
+  std::string interleave = "--benchmark_enable_random_interleaving=true";
+  args.insert(args.begin() + 1, {repetitions.data(), interleave.data()});  // defaults; later flags win
+  int count = static_cast<int>(args.size());
+  benchmark::Initialize(&count, args.data());
+  if (benchmark::ReportUnrecognizedArguments(count, args.data())) return 2;
+  lockstep::RatioReporter reporter;
+  benchmark::RunSpecifiedBenchmarks(&reporter);
+  benchmark::Shutdown();
+  const auto& m = reporter.medians;
+  if (m.count("BM_Trainer") && m.count("BM_HandWrittenLoop")) {
+    std::printf("\nTrainer / hand-written step time (median of repetitions): %.4f\n",
+                m.at("BM_Trainer") / m.at("BM_HandWrittenLoop"));
+  }
+  return 0;
+}
