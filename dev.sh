@@ -1,0 +1,71 @@
+#!/usr/bin/env bash
+# Lockstep's developer entry point. Each command installs what is missing (Debian
+# packages, as root or through sudo), configures and builds incrementally, then runs:
+#
+#   ./dev.sh train [lockstep_train flags]  the main job: a CNN on Fashion-MNIST
+#   ./dev.sh test  [ctest flags]           the whole test suite
+#   ./dev.sh bench [benchmark flags]       Trainer vs hand-written step benchmark
+#   ./dev.sh build                         install and build only
+#
+# Environment: BUILD_DIR (default: build), LOCKSTEP_SKIP_INSTALL=1 to skip apt.
+set -euo pipefail
+cd "$(dirname "${BASH_SOURCE[0]}")"
+
+BUILD_DIR=${BUILD_DIR:-build}
+PACKAGES=(
+  cmake ninja-build g++ pkg-config zlib1g-dev
+  libtorch-dev libopenblas0-pthread
+  libprotobuf-dev protobuf-compiler libgrpc++-dev protobuf-compiler-grpc libabsl-dev
+  libopenmpi-dev openmpi-bin
+  libgtest-dev libgmock-dev libbenchmark-dev
+  dataset-fashion-mnist
+)
+
+log() { printf '[dev.sh] %s\n' "$*" >&2; }
+
+install_packages() {
+  [[ "${LOCKSTEP_SKIP_INSTALL:-0}" == 1 ]] && return 0
+  local missing=()
+  for pkg in "${PACKAGES[@]}"; do
+    if [[ "$(dpkg-query -W -f='${db:Status-Status}' "$pkg" 2>/dev/null)" != installed ]]; then
+      missing+=("$pkg")
+    fi
+  done
+  [[ ${#missing[@]} -eq 0 ]] && return 0
+  local sudo=()
+  if [[ $(id -u) -ne 0 ]]; then
+    command -v sudo >/dev/null || { log "need root to install: ${missing[*]}"; exit 1; }
+    sudo=(sudo)
+  fi
+  log "installing ${missing[*]}"
+  "${sudo[@]}" apt-get update -qq
+  DEBIAN_FRONTEND=noninteractive "${sudo[@]}" apt-get install -y -qq "${missing[@]}" >/dev/null
+}
+
+build() {
+  install_packages
+  if [[ ! -f "$BUILD_DIR/build.ninja" ]]; then
+    cmake -S . -B "$BUILD_DIR" -G Ninja -DCMAKE_BUILD_TYPE=Release
+  fi
+  cmake --build "$BUILD_DIR"
+}
+
+command=${1:-}
+[[ $# -gt 0 ]] && shift
+case "$command" in
+  build)
+    build ;;
+  train)
+    build
+    exec "$BUILD_DIR/lockstep_train" --config=configs/fashion_mnist_cnn.textproto "$@" ;;
+  test)
+    build
+    exec ctest --test-dir "$BUILD_DIR" --output-on-failure --timeout 900 -j 2 "$@" ;;
+  bench)
+    build
+    exec "$BUILD_DIR/benchmarks/trainer_step_benchmark" "$@" ;;
+  *)
+    sed -n '2,10p' "$0" | sed 's/^# \{0,1\}//'
+    [[ -z "$command" ]] && exit 2
+    log "unknown command '$command'"; exit 2 ;;
+esac
