@@ -41,9 +41,11 @@ constexpr int kExitFailure = 1;
 constexpr int kExitUsage = 2;
 
 // absl::ParseCommandLine reports a bad flag and calls exit(1); during parsing this
-// handler turns that into our usage-error exit code.
+// handler turns that into our usage-error exit code. --help exits 0.
 bool parsing_flags = false;
+bool help_requested = false;
 void ExitWithUsageCode() {
+  if (help_requested) std::_Exit(0);
   if (parsing_flags) std::_Exit(kExitUsage);
 }
 
@@ -164,9 +166,11 @@ int main(int argc, char** argv) {
   // absl keeps only the last of repeated flags; silently dropping overrides would
   // train the wrong model, so a repeated --set is refused.
   int set_flags = 0;
+  bool help = false;
   for (int i = 1; i < argc; ++i) {
     const std::string arg = argv[i];
     if (arg == "--set" || arg.rfind("--set=", 0) == 0) ++set_flags;
+    if (arg.rfind("--help", 0) == 0 || arg == "--version") help = true;
   }
   if (set_flags > 1) {
     std::fprintf(stderr, "lockstep_train: --set given %d times; give all overrides in one, comma-separated: "
@@ -174,6 +178,7 @@ int main(int argc, char** argv) {
     return kExitUsage;
   }
   std::atexit(ExitWithUsageCode);
+  help_requested = help;  // absl exits after printing help; that is not an error
   parsing_flags = true;
   const std::vector<char*> positional = absl::ParseCommandLine(argc, argv);
   parsing_flags = false;

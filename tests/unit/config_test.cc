@@ -160,6 +160,10 @@ TEST_F(TrainBinaryTest, BadFlagsAndConfigsExitWithCode2) {
   EXPECT_EQ(r.exit_code, 2);
   EXPECT_THAT(r.output, HasSubstr("missing.textproto"));
 
+  r = RunTrainBinary("--help");
+  EXPECT_EQ(r.exit_code, 0) << "help is not an error";
+  EXPECT_THAT(r.output, HasSubstr("--set"));
+
   r = RunTrainBinary("stray_argument");
   EXPECT_EQ(r.exit_code, 2);
   EXPECT_THAT(r.output, HasSubstr("stray_argument"));
