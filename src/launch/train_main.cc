@@ -45,7 +45,10 @@ constexpr int kExitUsage = 2;
 bool parsing_flags = false;
 bool help_requested = false;
 void ExitWithUsageCode() {
-  if (help_requested) std::_Exit(0);
+  if (help_requested) {
+    std::fflush(stdout);  // _Exit does not flush stdio
+    std::_Exit(0);
+  }
   if (parsing_flags) std::_Exit(kExitUsage);
 }
 
