@@ -190,7 +190,19 @@ int main(int argc, char** argv) {
                  positional[1]);
     return kExitUsage;
   }
-  const Runtime runtime = Runtime::SingleProcess();
+  Runtime runtime;
+  try {
+    runtime = Runtime::FromEnvironment();
+  } catch (const Error& e) {
+    std::fprintf(stderr, "lockstep_train: %s\n", e.what());
+    return kExitUsage;
+  }
+  if (runtime.world_size > 1) {
+    std::fprintf(stderr, "lockstep_train: rank %d of %d (from %s): multi-rank training needs the data-parallel "
+                 "communicator, which this build does not have yet; run one process\n",
+                 runtime.rank, runtime.world_size, runtime.launcher.c_str());
+    return kExitUsage;
+  }
   absl::StatusOr<config::TrainerConfig> cfg =
       BuildConfig(absl::GetFlag(FLAGS_config), absl::GetFlag(FLAGS_set), runtime.world_size);
   if (!cfg.ok()) {
