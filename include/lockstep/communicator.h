@@ -1,0 +1,109 @@
+// Communicator: the collectives that ranks of an SPMD job meet in — all-reduce,
+// reduce-scatter, all-gather, broadcast and barrier over torch tensors.
+//
+// SPMD rule: every rank calls the same collectives, with tensors of the same size
+// and dtype, in the same order. A call that breaks the rule, or a peer that dies,
+// shows up as a CollectiveTimeoutError after the call's timeout, never as a hang.
+//
+// Async calls return a Work handle at once; Work::Wait() blocks until the
+// collective is done and rethrows its failure. Tensors must stay alive and
+// untouched until then. Blocking calls are Async + Wait. A communicator may be
+// called from one thread at a time; its Work handles may be waited on from any.
+// After a failure the communicator is broken: every later call fails at once
+// with the original reason.
+//
+//   HEALTHY --timeout or backend error--> BROKEN (every call throws)
+#ifndef LOCKSTEP_COMMUNICATOR_H_
+#define LOCKSTEP_COMMUNICATOR_H_
+
+#include <ATen/core/Tensor.h>
+
+#include <chrono>
+#include <memory>
+#include <string>
+
+#include "lockstep/errors.h"
+
+namespace lockstep {
+
+enum class ReduceOp { kSum, kAverage, kMax };
+
+struct CollectiveOptions {
+  std::chrono::milliseconds timeout = std::chrono::minutes(5);
+};
+
+// A collective failed: the backend reported an error, or the communicator is broken.
+class CollectiveError : public Error {
+ public:
+  using Error::Error;
+};
+
+// A collective did not complete within its timeout: a peer is dead, stuck, or
+// called a different collective.
+class CollectiveTimeoutError : public CollectiveError {
+ public:
+  using CollectiveError::CollectiveError;
+};
+
+class Work {
+ public:
+  virtual ~Work() = default;
+  // Blocks until the collective completes. Errors: CollectiveTimeoutError after the
+  // call's timeout; CollectiveError when the backend failed.
+  virtual void Wait() = 0;
+  // True once the collective has completed or failed (never blocks).
+  virtual bool IsCompleted() = 0;
+};
+
+class Communicator {
+ public:
+  virtual ~Communicator() = default;
+
+  virtual int rank() const = 0;
+  virtual int world_size() const = 0;
+  virtual std::string backend() const = 0;
+
+  // In place: every rank's `tensor` becomes the reduction over all ranks.
+  // kAverage is for floating-point tensors only.
+  // Errors (thrown at once): InvalidArgumentError for a non-contiguous tensor, a
+  // dtype or device the backend does not take; CollectiveError when broken.
+  virtual std::shared_ptr<Work> AllReduceAsync(at::Tensor tensor, ReduceOp op, const CollectiveOptions& options) = 0;
+  // `output` (world_size * n elements) receives every rank's `input` (n elements),
+  // rank r's at offset r * n.
+  virtual std::shared_ptr<Work> AllGatherAsync(at::Tensor output, at::Tensor input,
+                                               const CollectiveOptions& options) = 0;
+  // `input` has world_size * n elements; rank r's `output` (n elements) receives
+  // the reduction over ranks of input elements [r * n, (r + 1) * n).
+  virtual std::shared_ptr<Work> ReduceScatterAsync(at::Tensor output, at::Tensor input, ReduceOp op,
+                                                   const CollectiveOptions& options) = 0;
+  // Every rank's `tensor` becomes `root`'s.
+  virtual std::shared_ptr<Work> BroadcastAsync(at::Tensor tensor, int root, const CollectiveOptions& options) = 0;
+  // Completes once every rank has called it.
+  virtual std::shared_ptr<Work> BarrierAsync(const CollectiveOptions& options) = 0;
+
+  void AllReduce(at::Tensor tensor, ReduceOp op, const CollectiveOptions& options = {}) {
+    AllReduceAsync(std::move(tensor), op, options)->Wait();
+  }
+  void AllGather(at::Tensor output, at::Tensor input, const CollectiveOptions& options = {}) {
+    AllGatherAsync(std::move(output), std::move(input), options)->Wait();
+  }
+  void ReduceScatter(at::Tensor output, at::Tensor input, ReduceOp op, const CollectiveOptions& options = {}) {
+    ReduceScatterAsync(std::move(output), std::move(input), op, options)->Wait();
+  }
+  void Broadcast(at::Tensor tensor, int root, const CollectiveOptions& options = {}) {
+    BroadcastAsync(std::move(tensor), root, options)->Wait();
+  }
+  void Barrier(const CollectiveOptions& options = {}) { BarrierAsync(options)->Wait(); }
+};
+
+// A world of one: every collective completes at once (all-gather and
+// reduce-scatter copy). What a single process without a launcher uses.
+std::unique_ptr<Communicator> MakeSingleProcessCommunicator();
+
+// Checks shared by the backends. Throw InvalidArgumentError naming the call.
+void CheckCollectiveTensor(const at::Tensor& tensor, const char* call);
+void CheckSizes(const at::Tensor& big, const at::Tensor& small, int world_size, const char* call);
+
+}  // namespace lockstep
+
+#endif  // LOCKSTEP_COMMUNICATOR_H_

@@ -1,0 +1,35 @@
+// The MPI communicator, for CPU tensors (Open MPI under mpirun, or srun --mpi=pmix).
+//
+// Every collective runs on a worker thread of the communicator that owns all MPI
+// calls after initialisation (MPI_THREAD_SERIALIZED), so that communication goes
+// on while the calling thread computes: the worker issues non-blocking MPI calls
+// and drives them to completion, with the call's deadline. An all-reduce or
+// broadcast larger than `chunk_bytes` is split into chunks with up to
+// `chunks_in_flight` outstanding at a time: on this machine MPI_Allreduce over
+// shared memory reaches 6.6 GB/s at 1 MiB but 1.3-1.8 GB/s at 64-256 MiB.
+// bfloat16 and float16 are reduced in float32 (MPI has no such types).
+//
+// MPI is initialised by the first communicator in the process and finalised at
+// exit, unless a collective failed (finalising with a dead peer would hang).
+#ifndef LOCKSTEP_MPI_COMMUNICATOR_H_
+#define LOCKSTEP_MPI_COMMUNICATOR_H_
+
+#include <cstddef>
+#include <memory>
+
+#include "lockstep/communicator.h"
+
+namespace lockstep {
+
+struct MpiOptions {
+  size_t chunk_bytes = size_t{1} << 20;
+  int chunks_in_flight = 4;
+};
+
+// A communicator over a duplicate of MPI_COMM_WORLD. Throws CollectiveError when
+// MPI cannot be initialised with at least MPI_THREAD_SERIALIZED.
+std::unique_ptr<Communicator> MakeMpiCommunicator(const MpiOptions& options = {});
+
+}  // namespace lockstep
+
+#endif  // LOCKSTEP_MPI_COMMUNICATOR_H_
