@@ -51,21 +51,30 @@ ApplyFn ForwardOf() {
   };
 }
 
+class DataParallel;
+
 struct StepOptions {
+  // The batch is split into min(num_microbatches, examples on this rank) parts.
   int num_microbatches = 1;
   // Clip the global L2 norm of the gradients to this value; 0 disables clipping.
   double max_grad_norm = 0.0;
   // Sets every parameter group's learning rate before each step; without one the
   // optimizer's own learning rate is used unchanged.
   std::optional<LrSchedule> schedule;
+  // Data parallelism across ranks; null trains this process alone. With it, the
+  // loss is normalised by the total example weight of the global batch, gradients
+  // are summed across ranks (bucketed, during the last microbatch's backward) and
+  // the step's metrics are global. Not owned.
+  DataParallel* data_parallel = nullptr;
 };
 
 // Runs one optimizer step on `state` (and increments state.step). Returns the
 // step's metrics: loss, accuracy (when outputs are [N, C] logits and targets are
 // integer classes), learning_rate, gradients_l2norm (before clipping),
 // weights_l2norm (after the update), seconds_per_step, examples_per_second and
-// num_examples. Throws InvalidArgumentError for an empty batch, a bad option, or a
-// loss that is not one value per example.
+// num_examples, all over the global batch when data-parallel. Throws
+// InvalidArgumentError for an empty batch (allowed on a data-parallel rank whose
+// shard is empty), a bad option, or a loss that is not one value per example.
 MetricMap RunTrainStep(TrainState& state, const Batch& batch, const ApplyFn& apply, const LossFn& loss,
                        const StepOptions& options);
 

@@ -18,12 +18,15 @@
 #define LOCKSTEP_TRAINER_H_
 
 #include <cstdint>
+#include <memory>
 #include <optional>
 #include <string>
 #include <utility>
 #include <vector>
 
+#include "lockstep/communicator.h"
 #include "lockstep/data.h"
+#include "lockstep/data_parallel.h"
 #include "lockstep/metrics.h"
 #include "lockstep/runtime.h"
 #include "lockstep/step.h"
@@ -65,6 +68,8 @@ class BaseTrainer {
   virtual MetricMap TrainStep(const Batch& batch) = 0;
   // Metric sums of one eval batch of this rank's shard.
   virtual MetricSums EvalStep(const Batch& batch) = 0;
+  // Combines one eval set's sums over ranks (default: this rank's alone).
+  virtual void ReduceEvalSums(MetricSums& /*sums*/) {}
 
   void Emit(const Summary& summary) const;
 
@@ -80,24 +85,36 @@ struct TrainerOptions {
   int64_t summary_every_steps = 100;
   // Metrics for Eval; default: ClassificationMetrics(loss).
   MetricFn eval_metrics;
+  // Ranks to train with, data-parallel; null or a world of 1 trains alone. Not owned.
+  Communicator* communicator = nullptr;
+  DataParallelOptions data_parallel;
+  // What else must agree across ranks (the resolved config, say); checked at start.
+  std::string fingerprint;
 };
 
 // The default trainer. Components are replaceable: any module with an ApplyFn, any
 // per-example loss, any optimizer in the state.
 class Trainer : public BaseTrainer {
  public:
-  // Throws InvalidArgumentError for a state without model or optimizer, or bad options.
+  // Throws InvalidArgumentError for a state without model or optimizer, or bad
+  // options. With a communicator of more than one rank this is a collective: see
+  // DataParallel for the start-up check and the broadcast of rank 0's parameters.
   Trainer(TrainState& state, ApplyFn apply, LossFn loss, TrainerOptions options,
           Runtime runtime = Runtime::SingleProcess());
+
+  // Null when training alone.
+  DataParallel* data_parallel() { return data_parallel_.get(); }
 
  protected:
   MetricMap TrainStep(const Batch& batch) override;
   MetricSums EvalStep(const Batch& batch) override;
+  void ReduceEvalSums(MetricSums& sums) override;
 
  private:
   const ApplyFn apply_;
   const LossFn loss_;
-  const TrainerOptions options_;
+  TrainerOptions options_;
+  std::unique_ptr<DataParallel> data_parallel_;
 };
 
 }  // namespace lockstep

@@ -7,6 +7,7 @@
 #include <chrono>
 #include <string>
 
+#include "lockstep/data_parallel.h"
 #include "lockstep/errors.h"
 
 namespace lockstep {
@@ -68,9 +69,10 @@ MetricMap RunTrainStep(TrainState& state, const Batch& batch, const ApplyFn& app
     throw InvalidArgumentError("train step: num_microbatches must be >= 1, got " +
                                std::to_string(options.num_microbatches));
   }
+  DataParallel* const data_parallel = options.data_parallel;
   const int64_t n = batch.size();
-  if (n == 0) throw InvalidArgumentError("train step: empty batch");
-  if (batch.targets.size(0) != n || (batch.weights.defined() && !(batch.weights.dim() == 1 && batch.weights.size(0) == n))) {
+  if (n == 0 && data_parallel == nullptr) throw InvalidArgumentError("train step: empty batch");
+  if ((n > 0 && batch.targets.size(0) != n) || (batch.weights.defined() && !(batch.weights.dim() == 1 && batch.weights.size(0) == n))) {
     throw InvalidArgumentError("train step: inputs, targets and weights disagree on the number of examples");
   }
 
@@ -84,7 +86,12 @@ MetricMap RunTrainStep(TrainState& state, const Batch& batch, const ApplyFn& app
   state.model->train();
   optimizer.zero_grad();
   const bool weighted = batch.weights.defined();
-  const double total_weight = weighted ? batch.weights.sum().item<double>() : static_cast<double>(n);
+  double total_weight = weighted ? batch.weights.sum().item<double>() : static_cast<double>(n);
+  if (data_parallel != nullptr) {  // normalise by the weight of the global batch
+    at::Tensor global = at::tensor({total_weight}, at::kDouble);
+    data_parallel->AllReduceSum(global);
+    total_weight = global.item<double>();
+  }
   if (!(total_weight > 0)) throw InvalidArgumentError("train step: example weights must sum to a positive value");
 
   // k microbatches whose sizes differ by at most one.
@@ -102,6 +109,8 @@ MetricMap RunTrainStep(TrainState& state, const Batch& batch, const ApplyFn& app
     at::Tensor weights;
     if (weighted) weights = batch.weights.narrow(0, offset, size).to(per_example.scalar_type());
     const at::Tensor summed = weighted ? per_example.mul(weights).sum() : per_example.sum();
+    // Only the last microbatch's backward communicates.
+    if (data_parallel != nullptr && i == k - 1) data_parallel->bucketer().Arm();
     summed.div(total_weight).backward();
 
     const at::Tensor detached = summed.detach();
@@ -114,6 +123,19 @@ MetricMap RunTrainStep(TrainState& state, const Batch& batch, const ApplyFn& app
     offset += size;
   }
 
+  if (data_parallel != nullptr) data_parallel->bucketer().Finish();
+
+  // loss sum, correct sum, examples, whether accuracy applies: summed over ranks.
+  at::Tensor stats = at::zeros({4}, at::kDouble);
+  if (loss_sum.defined()) stats[0] = loss_sum.item<double>();
+  if (correct_sum.defined()) {
+    stats[1] = correct_sum.item<double>();
+    stats[3] = 1;
+  }
+  stats[2] = static_cast<double>(n);
+  if (data_parallel != nullptr) data_parallel->AllReduceSum(stats);
+  const auto* global = stats.data_ptr<double>();
+
   const std::vector<at::Tensor> params = state.model->parameters();
   double grad_norm = 0.0;
   if (options.max_grad_norm > 0) {
@@ -125,15 +147,15 @@ MetricMap RunTrainStep(TrainState& state, const Batch& batch, const ApplyFn& app
   ++state.step;
 
   MetricMap metrics;
-  metrics[kLoss] = loss_sum.item<double>() / total_weight;
-  if (correct_sum.defined()) metrics[kAccuracy] = correct_sum.item<double>() / total_weight;
+  metrics[kLoss] = global[0] / total_weight;
+  if (global[3] > 0) metrics[kAccuracy] = global[1] / total_weight;
   metrics[kLearningRate] = learning_rate;
   metrics[kGradientsL2Norm] = grad_norm;
   metrics[kWeightsL2Norm] = GlobalL2Norm(params);
-  metrics[kNumExamples] = static_cast<double>(n);
+  metrics[kNumExamples] = global[2];
   const double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
   metrics[kSecondsPerStep] = seconds;
-  metrics[kExamplesPerSecond] = seconds > 0 ? static_cast<double>(n) / seconds : 0.0;
+  metrics[kExamplesPerSecond] = seconds > 0 ? global[2] / seconds : 0.0;
   return metrics;
 }
 

@@ -3,6 +3,8 @@
 #include <string>
 #include <utility>
 
+#include <ATen/ATen.h>
+
 #include "lockstep/errors.h"
 
 namespace lockstep {
@@ -52,6 +54,7 @@ std::vector<std::pair<std::string, MetricMap>> BaseTrainer::Eval(const NamedBatc
     if (iterator == nullptr) throw InvalidArgumentError("Eval: no iterator for eval set '" + name + "'");
     MetricSums total;
     while (std::optional<Batch> batch = iterator->Next()) total.Merge(EvalStep(*batch));
+    ReduceEvalSums(total);
     MetricMap means = total.Means();
     Emit(Summary{name, state_.step, means});
     results.emplace_back(name, std::move(means));
@@ -76,6 +79,35 @@ Trainer::Trainer(TrainState& state, ApplyFn apply, LossFn loss, TrainerOptions o
   if (options_.step.max_grad_norm < 0) throw InvalidArgumentError("Trainer: max_grad_norm must be >= 0");
   if (options_.step.schedule) options_.step.schedule->Validate();
   set_summary_every_steps(options_.summary_every_steps);
+  if (options_.communicator != nullptr && options_.communicator->world_size() > 1) {
+    data_parallel_ = std::make_unique<DataParallel>(options_.communicator, *state.model, options_.fingerprint,
+                                                    options_.data_parallel);
+    options_.step.data_parallel = data_parallel_.get();
+  }
+}
+
+void Trainer::ReduceEvalSums(MetricSums& sums) {
+  if (!data_parallel_) return;
+  // Every rank must hold the same metric names; a rank whose shard was empty has
+  // none, so the names are checked before the values are summed.
+  std::string names;
+  for (const auto& [name, sum] : sums.sums) names += name + ",";
+  at::Tensor check = at::tensor({static_cast<int64_t>(StableHash(names)), -static_cast<int64_t>(StableHash(names))},
+                                at::kLong);
+  data_parallel_->communicator().AllReduce(check, ReduceOp::kMax, options_.data_parallel.collective);
+  if (check[0].item<int64_t>() != -check[1].item<int64_t>()) {
+    throw Error("eval: ranks computed different metrics (a rank with an empty eval shard?): this rank has [" +
+                names + "]");
+  }
+  at::Tensor values = at::zeros({static_cast<int64_t>(sums.sums.size()) + 1}, at::kDouble);
+  auto* v = values.data_ptr<double>();
+  v[0] = sums.weight;
+  int64_t i = 1;
+  for (const auto& [name, sum] : sums.sums) v[i++] = sum;
+  data_parallel_->AllReduceSum(values);
+  sums.weight = v[0];
+  i = 1;
+  for (auto& [name, sum] : sums.sums) sum = v[i++];
 }
 
 MetricMap Trainer::TrainStep(const Batch& batch) { return RunTrainStep(state(), batch, apply_, loss_, options_.step); }

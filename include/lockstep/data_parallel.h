@@ -1,0 +1,98 @@
+// Data parallelism: parameters replicated on every rank, each rank on its shard of
+// the global batch, gradients summed across ranks while backward still runs.
+//
+// DataParallel is built once per model, on every rank, after the model exists:
+// it checks that every rank has the same model (names, shapes and dtypes of
+// parameters and buffers, plus a caller-given fingerprint such as the config) and
+// fails on every rank with the differences named if not, then copies rank 0's
+// parameters and buffers to all ranks.
+//
+// GradientBucketer groups the parameters, in reverse registration order (the
+// order backward usually produces their gradients), into buckets of at most
+// `bucket_bytes`. Once armed for a backward pass, an autograd hook on each
+// parameter's gradient accumulator marks it ready; as soon as every gradient of a
+// bucket is final, the bucket's all-reduce starts while backward goes on. Buckets
+// start in index order on every rank (the SPMD rule), whatever order hooks fire.
+// Finish() starts what remains (a parameter without a gradient counts as zero),
+// waits, and writes the summed gradients back. Arm it only for the last
+// microbatch: earlier ones accumulate locally without communication.
+//
+// Not thread-safe: one training thread (autograd runs CPU hooks on it).
+#ifndef LOCKSTEP_DATA_PARALLEL_H_
+#define LOCKSTEP_DATA_PARALLEL_H_
+
+#include <ATen/core/Tensor.h>
+
+#include <cstddef>
+#include <cstdint>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "lockstep/communicator.h"
+
+namespace torch::nn {
+class Module;
+}
+
+namespace lockstep {
+
+struct DataParallelOptions {
+  size_t bucket_bytes = size_t{25} << 20;
+  CollectiveOptions collective;  // timeout of every collective the step issues
+};
+
+class GradientBucketer {
+ public:
+  // `communicator` is borrowed and must outlive the bucketer. Not owned.
+  GradientBucketer(Communicator* communicator, std::vector<at::Tensor> parameters, const DataParallelOptions& options);
+  ~GradientBucketer();
+  GradientBucketer(const GradientBucketer&) = delete;
+  GradientBucketer& operator=(const GradientBucketer&) = delete;
+
+  // The next backward pass launches buckets as their gradients become final.
+  void Arm();
+  // Launches the buckets that have not started, waits for all of them and writes
+  // the sums into the parameters' .grad. Errors: those of Communicator::Wait.
+  void Finish();
+
+  // Bucket b holds these parameter indices (into the constructor's vector).
+  const std::vector<std::vector<size_t>>& buckets() const;
+  // Buckets launched from autograd hooks (before Finish) in the last step.
+  int launched_during_backward() const;
+
+ private:
+  struct State;
+  std::shared_ptr<State> state_;
+};
+
+class DataParallel {
+ public:
+  // Collective: every rank constructs it with the same model. `fingerprint`
+  // names anything else that must agree (the resolved config, say).
+  // Errors: InvalidArgumentError on every rank when models or fingerprints differ;
+  // CollectiveError from the communicator.
+  DataParallel(Communicator* communicator, torch::nn::Module& model, const std::string& fingerprint,
+               const DataParallelOptions& options = {});
+
+  Communicator& communicator() { return *communicator_; }
+  GradientBucketer& bucketer() { return bucketer_; }
+  const DataParallelOptions& options() const { return options_; }
+  int rank() const { return communicator_->rank(); }
+  int world_size() const { return communicator_->world_size(); }
+
+  // Sums a float64 CPU tensor in place across ranks.
+  void AllReduceSum(at::Tensor& values);
+
+ private:
+  Communicator* const communicator_;  // Not owned.
+  const DataParallelOptions options_;
+  GradientBucketer bucketer_;
+};
+
+// A 64-bit FNV-1a hash, stable across processes and runs (unlike std::hash).
+uint64_t StableHash(const std::string& text, uint64_t seed = 14695981039346656037ULL);
+
+}  // namespace lockstep
+
+#endif  // LOCKSTEP_DATA_PARALLEL_H_

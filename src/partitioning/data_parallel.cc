@@ -1,0 +1,221 @@
+#include "lockstep/data_parallel.h"
+
+#include <ATen/ATen.h>
+#include <ATen/core/grad_mode.h>
+#include <torch/csrc/autograd/function.h>
+#include <torch/csrc/autograd/utils/lambda_post_hook.h>
+#include <torch/csrc/autograd/variable.h>
+#include <torch/nn/module.h>
+
+#include <sstream>
+
+#include "absl/strings/str_cat.h"
+
+namespace lockstep {
+
+uint64_t StableHash(const std::string& text, uint64_t seed) {
+  uint64_t hash = seed;
+  for (const unsigned char c : text) {
+    hash ^= c;
+    hash *= 1099511628211ULL;
+  }
+  return hash;
+}
+
+struct GradientBucketer::State {
+  struct Bucket {
+    std::vector<size_t> params;
+    at::Tensor flat;
+    int pending = 0;
+    std::shared_ptr<Work> work;
+  };
+
+  Communicator* communicator = nullptr;  // Not owned.
+  CollectiveOptions collective;
+  std::vector<at::Tensor> parameters;
+  std::vector<size_t> bucket_of;  // parameter index -> bucket
+  std::vector<Bucket> buckets;
+  std::vector<std::vector<size_t>> layout;
+  std::vector<std::pair<std::shared_ptr<torch::autograd::Node>, uintptr_t>> hooks;
+  bool armed = false;
+  size_t next_to_launch = 0;
+  int launched_during_backward = 0;
+
+  void Launch(size_t b) {
+    Bucket& bucket = buckets[b];
+    int64_t offset = 0;
+    {
+      at::NoGradGuard no_grad;
+      for (size_t p : bucket.params) {
+        const at::Tensor& param = parameters[p];
+        at::Tensor slice = bucket.flat.narrow(0, offset, param.numel());
+        if (param.grad().defined()) {
+          slice.copy_(param.grad().reshape({-1}));
+        } else {
+          slice.zero_();
+        }
+        offset += param.numel();
+      }
+    }
+    bucket.work = communicator->AllReduceAsync(bucket.flat, ReduceOp::kSum, collective);
+  }
+
+  // Starts every consecutive ready bucket from next_to_launch on.
+  void LaunchReady() {
+    while (next_to_launch < buckets.size() && buckets[next_to_launch].pending == 0) {
+      Launch(next_to_launch++);
+      ++launched_during_backward;
+    }
+  }
+
+  void OnGradientFinal(size_t p) {
+    if (!armed) return;
+    Bucket& bucket = buckets[bucket_of[p]];
+    if (--bucket.pending == 0) LaunchReady();
+  }
+};
+
+GradientBucketer::GradientBucketer(Communicator* communicator, std::vector<at::Tensor> parameters,
+                                   const DataParallelOptions& options)
+    : state_(std::make_shared<State>()) {
+  if (communicator == nullptr) throw InvalidArgumentError("GradientBucketer: no communicator");
+  State& s = *state_;
+  s.communicator = communicator;
+  s.collective = options.collective;
+  s.parameters = std::move(parameters);
+  s.bucket_of.assign(s.parameters.size(), 0);
+  // Reverse registration order, a new bucket when the dtype changes or it is full.
+  size_t bytes = 0;
+  for (size_t i = s.parameters.size(); i-- > 0;) {
+    const at::Tensor& p = s.parameters[i];
+    const size_t size = p.numel() * p.element_size();
+    const bool dtype_change = !s.buckets.empty() &&
+                              s.parameters[s.buckets.back().params.front()].scalar_type() != p.scalar_type();
+    if (s.buckets.empty() || dtype_change || (bytes > 0 && bytes + size > options.bucket_bytes)) {
+      s.buckets.emplace_back();
+      bytes = 0;
+    }
+    s.buckets.back().params.push_back(i);
+    s.bucket_of[i] = s.buckets.size() - 1;
+    bytes += size;
+  }
+  for (State::Bucket& bucket : s.buckets) {
+    int64_t numel = 0;
+    for (size_t p : bucket.params) numel += s.parameters[p].numel();
+    const at::Tensor& first = s.parameters[bucket.params.front()];
+    bucket.flat = at::zeros({numel}, first.options().requires_grad(false));
+    s.layout.push_back(bucket.params);
+  }
+  // A post hook on each parameter's gradient accumulator runs once the gradient of
+  // this backward pass has been added to .grad.
+  std::weak_ptr<State> weak = state_;
+  for (size_t i = 0; i < s.parameters.size(); ++i) {
+    if (!s.parameters[i].requires_grad()) continue;
+    std::shared_ptr<torch::autograd::Node> accumulator = torch::autograd::impl::grad_accumulator(s.parameters[i]);
+    const uintptr_t key = accumulator->add_post_hook(std::make_unique<torch::autograd::utils::LambdaPostHook>(
+        [weak, i](const torch::autograd::variable_list& outputs, const torch::autograd::variable_list&) {
+          if (auto state = weak.lock()) state->OnGradientFinal(i);
+          return outputs;
+        }));
+    s.hooks.emplace_back(std::move(accumulator), key);
+  }
+}
+
+GradientBucketer::~GradientBucketer() {
+  for (auto& [node, key] : state_->hooks) node->del_post_hook(key);
+}
+
+void GradientBucketer::Arm() {
+  State& s = *state_;
+  for (State::Bucket& bucket : s.buckets) {
+    bucket.pending = 0;
+    for (size_t p : bucket.params) bucket.pending += s.parameters[p].requires_grad() ? 1 : 0;
+    bucket.work.reset();
+  }
+  s.next_to_launch = 0;
+  s.launched_during_backward = 0;
+  s.armed = true;
+  s.LaunchReady();  // buckets without trainable parameters
+}
+
+void GradientBucketer::Finish() {
+  State& s = *state_;
+  if (!s.armed) Arm();
+  s.armed = false;
+  while (s.next_to_launch < s.buckets.size()) s.Launch(s.next_to_launch++);
+  at::NoGradGuard no_grad;
+  for (State::Bucket& bucket : s.buckets) {
+    bucket.work->Wait();
+    int64_t offset = 0;
+    for (size_t p : bucket.params) {
+      at::Tensor& param = s.parameters[p];
+      const at::Tensor summed = bucket.flat.narrow(0, offset, param.numel()).view(param.sizes());
+      if (param.grad().defined()) {
+        param.mutable_grad().copy_(summed);
+      } else {
+        param.mutable_grad() = summed.clone();
+      }
+      offset += param.numel();
+    }
+  }
+}
+
+const std::vector<std::vector<size_t>>& GradientBucketer::buckets() const { return state_->layout; }
+int GradientBucketer::launched_during_backward() const { return state_->launched_during_backward; }
+
+namespace {
+
+// One line per parameter and buffer: name, dtype, shape.
+std::string Describe(torch::nn::Module& model) {
+  std::ostringstream out;
+  for (const auto& item : model.named_parameters()) {
+    out << "param " << item.key() << " " << item.value().dtype() << " " << item.value().sizes() << "\n";
+  }
+  for (const auto& item : model.named_buffers()) {
+    out << "buffer " << item.key() << " " << item.value().dtype() << " " << item.value().sizes() << "\n";
+  }
+  return out.str();
+}
+
+}  // namespace
+
+DataParallel::DataParallel(Communicator* communicator, torch::nn::Module& model, const std::string& fingerprint,
+                           const DataParallelOptions& options)
+    : communicator_(communicator),
+      options_(options),
+      bucketer_(communicator, model.parameters(), options) {
+  // Every rank learns every rank's model shape and fingerprint, so that all of
+  // them fail together, naming the ranks that differ.
+  const std::string shapes = Describe(model);
+  int64_t weights = 0;
+  for (const at::Tensor& p : model.parameters()) weights += p.numel();
+  const at::Tensor mine = at::tensor({static_cast<int64_t>(StableHash(shapes)), static_cast<int64_t>(StableHash(fingerprint)),
+                                      static_cast<int64_t>(model.parameters().size()), weights},
+                                     at::kLong);
+  at::Tensor all = at::zeros({4 * world_size()}, at::kLong);
+  communicator_->AllGather(all, mine, options_.collective);
+  const auto* v = all.data_ptr<int64_t>();
+  std::string problems;
+  for (int r = 1; r < world_size(); ++r) {
+    if (v[4 * r] != v[0]) {
+      absl::StrAppend(&problems, "; rank ", r, " has a different model (", v[4 * r + 2], " parameter tensors, ",
+                      v[4 * r + 3], " weights) from rank 0 (", v[2], " parameter tensors, ", v[3], " weights)");
+    }
+    if (v[4 * r + 1] != v[1]) absl::StrAppend(&problems, "; rank ", r, " has a different config from rank 0");
+  }
+  if (!problems.empty()) {
+    throw InvalidArgumentError("data-parallel start-up check failed on rank " + std::to_string(rank()) + problems.substr(1));
+  }
+  // Rank 0's initial parameters and buffers everywhere.
+  at::NoGradGuard no_grad;
+  std::vector<std::shared_ptr<Work>> works;
+  for (at::Tensor& p : model.parameters()) works.push_back(communicator_->BroadcastAsync(p, 0, options_.collective));
+  for (at::Tensor& b : model.buffers()) works.push_back(communicator_->BroadcastAsync(b, 0, options_.collective));
+  for (auto& w : works) w->Wait();
+}
+
+void DataParallel::AllReduceSum(at::Tensor& values) {
+  communicator_->AllReduce(values, ReduceOp::kSum, options_.collective);
+}
+
+}  // namespace lockstep

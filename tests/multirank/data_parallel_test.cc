@@ -1,0 +1,164 @@
+// Data parallelism under mpirun -np 2 and 3: N ranks with per-rank shards update
+// exactly as one process with the whole global batch; models that differ across
+// ranks fail on every rank with a message.
+#include <ATen/ATen.h>
+#include <gmock/gmock.h>
+#include <gtest/gtest.h>
+
+#include <memory>
+#include <string>
+
+#include "lockstep/data_parallel.h"
+#include "lockstep/mpi_communicator.h"
+#include "lockstep/trainer.h"
+#include "tests/testing/tiny_problem.h"
+
+namespace lockstep {
+namespace {
+
+using testing::MaxRelativeDifference;
+using testing::Snapshot;
+using testing::TinyDataset;
+using testing::TinyModel;
+using ::testing::HasSubstr;
+
+class DataParallelTest : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    comm_ = MakeMpiCommunicator();
+    rank_ = comm_->rank();
+    size_ = comm_->world_size();
+    ASSERT_GE(size_, 2) << "run under mpirun with at least 2 ranks";
+  }
+  std::unique_ptr<Communicator> comm_;
+  int rank_ = 0;
+  int size_ = 1;
+};
+
+struct Case {
+  OptimizerOptions::Kind optimizer;
+  int microbatches;
+  size_t bucket_bytes;
+};
+
+OptimizerFactory Factory(OptimizerOptions::Kind kind) {
+  OptimizerOptions o;
+  o.kind = kind;
+  o.learning_rate = kind == OptimizerOptions::Kind::kSgd ? 0.1 : 0.01;
+  return MakeOptimizerFactory(o);
+}
+
+struct RunResult {
+  std::vector<at::Tensor> params;
+  MetricMap last;
+  int buckets = 0;
+  int launched_during_backward = 0;
+};
+
+// 31 examples, global batch 30: the second step has one example, so some ranks
+// train on an empty shard.
+constexpr int64_t kExamples = 31;
+constexpr int64_t kGlobalBatch = 30;
+constexpr int kSteps = 3;  // the last step has a full batch again
+
+RunResult Train(const Case& c, Communicator* comm, int rank, int world, uint64_t init_seed) {
+  BuiltModel model = TinyModel(init_seed);
+  TrainState state = MakeTrainState(model.module, Factory(c.optimizer));
+  TrainerOptions options;
+  options.step.num_microbatches = c.microbatches;
+  options.step.max_grad_norm = 5.0;
+  options.communicator = comm;
+  options.data_parallel.bucket_bytes = c.bucket_bytes;
+  Trainer trainer(state, model.apply, CrossEntropyLoss(), options);
+  ShardingOptions sharding;
+  sharding.global_batch_size = kGlobalBatch;
+  sharding.rank = rank;
+  sharding.world_size = world;
+  sharding.seed = 3;
+  ShardedBatchIterator data(TinyDataset(kExamples), sharding);
+  RunResult result;
+  for (int s = 0; s < kSteps; ++s) result.last = trainer.Train(data, 1);
+  EXPECT_EQ(state.step, kSteps);
+  result.params = Snapshot(*state.model);
+  if (DataParallel* dp = trainer.data_parallel()) {
+    result.buckets = static_cast<int>(dp->bucketer().buckets().size());
+    result.launched_during_backward = dp->bucketer().launched_during_backward();
+  }
+  return result;
+}
+
+TEST_F(DataParallelTest, NRanksUpdateExactlyAsOneRankWithTheWholeBatch) {
+  const int num_params = static_cast<int>(TinyModel(1).module->parameters().size());
+  for (OptimizerOptions::Kind opt : {OptimizerOptions::Kind::kSgd, OptimizerOptions::Kind::kAdam}) {
+    for (int microbatches : {1, 3}) {
+      for (size_t bucket_bytes : {size_t{1}, size_t{25} << 20}) {
+        const Case c{opt, microbatches, bucket_bytes};
+        SCOPED_TRACE(std::string(opt == OptimizerOptions::Kind::kSgd ? "SGD" : "Adam") + " microbatches " +
+                     std::to_string(microbatches) + " bucket_bytes " + std::to_string(bucket_bytes));
+        // Ranks start from different parameters: rank 0's are broadcast.
+        const RunResult ours = Train(c, comm_.get(), rank_, size_, /*init_seed=*/100 + rank_);
+        const RunResult reference = Train(c, nullptr, 0, 1, /*init_seed=*/100);
+        EXPECT_LE(MaxRelativeDifference(ours.params, reference.params), 1e-5);
+        EXPECT_GT(MaxRelativeDifference(Snapshot(*TinyModel(100).module), reference.params), 1e-3);
+        EXPECT_NEAR(ours.last.at(kLoss), reference.last.at(kLoss), 1e-5);
+        EXPECT_NEAR(ours.last.at(kGradientsL2Norm), reference.last.at(kGradientsL2Norm), 1e-4);
+        EXPECT_EQ(ours.last.at(kNumExamples), reference.last.at(kNumExamples));
+        EXPECT_EQ(ours.buckets, bucket_bytes == 1 ? num_params : 1);
+        // The last step had a full shard on every rank: every bucket but possibly
+        // none was started from an autograd hook, during backward.
+        EXPECT_EQ(ours.launched_during_backward, ours.buckets);
+      }
+    }
+  }
+}
+
+TEST_F(DataParallelTest, EvalIsReducedOverRanks) {
+  BuiltModel model = TinyModel(7);
+  TrainState state = MakeTrainState(model.module, Factory(OptimizerOptions::Kind::kAdam));
+  TrainerOptions options;
+  options.communicator = comm_.get();
+  Trainer trainer(state, model.apply, CrossEntropyLoss(), options);
+  ShardingOptions sharding;
+  sharding.global_batch_size = 40;
+  sharding.rank = rank_;
+  sharding.world_size = size_;
+  sharding.shuffle = false;
+  sharding.num_epochs = 1;
+  ShardedBatchIterator shard(TinyDataset(203, 9), sharding);
+  const MetricMap ours = trainer.Eval({{"test", &shard}}).front().second;
+
+  TrainState alone = MakeTrainState(TinyModel(7).module, Factory(OptimizerOptions::Kind::kAdam));
+  Trainer single(alone, model.apply, CrossEntropyLoss(), TrainerOptions{});
+  sharding.rank = 0;
+  sharding.world_size = 1;
+  ShardedBatchIterator whole(TinyDataset(203, 9), sharding);
+  const MetricMap reference = single.Eval({{"test", &whole}}).front().second;
+  EXPECT_EQ(ours.at(kNumExamples), 203);
+  EXPECT_NEAR(ours.at(kAccuracy), reference.at(kAccuracy), 1e-12);
+  EXPECT_NEAR(ours.at(kLoss), reference.at(kLoss), 1e-6);
+}
+
+TEST_F(DataParallelTest, AMismatchedModelFailsOnEveryRank) {
+  ModelOptions model_options = testing::TinyModelOptions();
+  if (rank_ == size_ - 1) model_options.hidden_units = 17;  // the odd one out
+  BuiltModel model = BuildModel(model_options);
+  TrainState state = MakeTrainState(model.module, Factory(OptimizerOptions::Kind::kSgd));
+  TrainerOptions options;
+  options.communicator = comm_.get();
+  const std::string expected = "rank " + std::to_string(size_ - 1) + " has a different model";
+  EXPECT_THAT([&] { Trainer(state, model.apply, CrossEntropyLoss(), options); },
+              ::testing::ThrowsMessage<InvalidArgumentError>(HasSubstr(expected)));
+}
+
+TEST_F(DataParallelTest, AMismatchedConfigFailsOnEveryRank) {
+  BuiltModel model = TinyModel(1);
+  TrainState state = MakeTrainState(model.module, Factory(OptimizerOptions::Kind::kSgd));
+  TrainerOptions options;
+  options.communicator = comm_.get();
+  options.fingerprint = rank_ == 1 ? "learning_rate: 0.2" : "learning_rate: 0.1";
+  EXPECT_THAT([&] { Trainer(state, model.apply, CrossEntropyLoss(), options); },
+              ::testing::ThrowsMessage<InvalidArgumentError>(HasSubstr("rank 1 has a different config")));
+}
+
+}  // namespace
+}  // namespace lockstep
