@@ -6,6 +6,7 @@
 //
 // Exit codes: 0 done; 1 a failure while running (unreadable data, a libtorch
 // error); 2 a bad command line or config (the message names the flag or field).
+#include <torch/cuda.h>
 #include <torch/utils.h>
 
 #include <chrono>
@@ -20,6 +21,7 @@
 #include "absl/flags/flag.h"
 #include "absl/flags/parse.h"
 #include "absl/flags/usage.h"
+#include "lockstep/communicator.h"
 #include "lockstep/config.h"
 #include "lockstep/data.h"
 #include "lockstep/errors.h"
@@ -27,6 +29,9 @@
 #include "lockstep/runtime.h"
 #include "lockstep/torch_setup.h"
 #include "lockstep/trainer.h"
+#if LOCKSTEP_HAVE_MPI
+#include "lockstep/mpi_communicator.h"
+#endif
 
 ABSL_FLAG(std::string, config, "", "Path to a TrainerConfig in protobuf text format (proto/config.proto); "
                                    "empty uses the defaults.");
@@ -96,6 +101,40 @@ Datasets LoadData(const config::TrainerConfig& cfg) {
   return data;
 }
 
+// "auto": cuda:<local rank> when libtorch sees GPUs, else cpu.
+// Throws Error when a CUDA device is asked for and none exists.
+std::string ResolveDevice(const std::string& requested, const Runtime& runtime) {
+  const bool cuda = torch::cuda::is_available();
+  if (requested == "auto") return cuda ? "cuda:" + std::to_string(runtime.local_rank) : "cpu";
+  if (requested.rfind("cuda", 0) == 0 && !cuda) {
+    throw Error("device '" + requested + "' was asked for, but libtorch sees no CUDA device here");
+  }
+  return requested;
+}
+
+// The communicator for a world of more than one rank; null for a world of one.
+std::unique_ptr<Communicator> MakeCommunicator(const std::string& requested, const std::string& device,
+                                               const Runtime& runtime) {
+  if (runtime.world_size == 1) return nullptr;
+  const std::string backend = requested == "auto" ? (device.rfind("cuda", 0) == 0 ? "nccl" : "mpi") : requested;
+  if (backend == "nccl") {
+    throw Error("backend 'nccl' needs CUDA tensors and a GPU on every rank; this build runs on " + device +
+                " (use backend: \"mpi\" for CPU training)");
+  }
+#if LOCKSTEP_HAVE_MPI
+  std::unique_ptr<Communicator> comm = MakeMpiCommunicator();
+  if (comm->rank() != runtime.rank || comm->world_size() != runtime.world_size) {
+    throw Error("MPI says rank " + std::to_string(comm->rank()) + " of " + std::to_string(comm->world_size()) +
+                " but the " + runtime.launcher + " environment says rank " + std::to_string(runtime.rank) + " of " +
+                std::to_string(runtime.world_size));
+  }
+  return comm;
+#else
+  throw Error("rank " + std::to_string(runtime.rank) + " of " + std::to_string(runtime.world_size) +
+              ": this build has no MPI backend (configure with Open MPI installed)");
+#endif
+}
+
 int Run(const config::TrainerConfig& cfg, const Runtime& runtime) {
   const auto run_start = std::chrono::steady_clock::now();
   const int threads = ConfigureTorchForTraining(cfg.num_threads());
@@ -105,11 +144,16 @@ int Run(const config::TrainerConfig& cfg, const Runtime& runtime) {
     WriteFileAtomically(output_dir / "config.textproto", ConfigToText(cfg));
   }
 
+  const std::string device = ResolveDevice(cfg.device(), runtime);
+  std::unique_ptr<Communicator> communicator = MakeCommunicator(cfg.backend(), device, runtime);
   const Datasets data = LoadData(cfg);
-  std::printf("lockstep_train: rank %d of %d on %s, %d threads; data: %s (%" PRId64 " train, %" PRId64
-              " test examples); config written to %s\n",
-              runtime.rank, runtime.world_size, runtime.host.c_str(), threads, data.description.c_str(),
-              data.train->size(), data.test->size(), (output_dir / "config.textproto").c_str());
+  if (runtime.is_chief()) {
+    std::printf("lockstep_train: %d rank(s) via %s, %s backend, device %s, %d threads per rank; data: %s (%" PRId64
+                " train, %" PRId64 " test examples); config written to %s\n",
+                runtime.world_size, runtime.launcher.c_str(), communicator ? communicator->backend().c_str() : "no",
+                device.c_str(), threads, data.description.c_str(), data.train->size(), data.test->size(),
+                (output_dir / "config.textproto").c_str());
+  }
 
   torch::manual_seed(cfg.seed());
   const auto init_start = std::chrono::steady_clock::now();
@@ -119,14 +163,22 @@ int Run(const config::TrainerConfig& cfg, const Runtime& runtime) {
   model_options.width = data.train->inputs.size(3);
   BuiltModel model = BuildModel(model_options);
   TrainState state = MakeTrainState(model.module, MakeOptimizerFactory(ToOptimizerOptions(cfg.optimizer())));
-  std::printf("Model: %s, %" PRId64 " trainable weights, initialised in %.3f s\n", model_options.name.c_str(),
-              CountTrainableWeights(*state.model), SecondsSince(init_start));
+  state.model->to(torch::Device(device));
+  if (runtime.is_chief()) {
+    std::printf("Model: %s, %" PRId64 " trainable weights, initialised in %.3f s\n", model_options.name.c_str(),
+                CountTrainableWeights(*state.model), SecondsSince(init_start));
+  }
 
   TrainerOptions options;
   options.step.num_microbatches = cfg.num_microbatches();
   options.step.max_grad_norm = cfg.max_grad_norm();
   options.step.schedule = ToLrSchedule(cfg);
   options.summary_every_steps = cfg.summary_every_steps();
+  options.communicator = communicator.get();
+  options.data_parallel.bucket_bytes = static_cast<size_t>(cfg.bucket_mb() * (1 << 20));
+  options.data_parallel.collective.timeout =
+      std::chrono::milliseconds(static_cast<int64_t>(cfg.collective_timeout_seconds() * 1000));
+  options.fingerprint = ConfigToText(cfg);
   Trainer trainer(state, model.apply, CrossEntropyLoss(), options, runtime);
   trainer.AddSummarySink(StdoutLogger{});
 
@@ -155,8 +207,10 @@ int Run(const config::TrainerConfig& cfg, const Runtime& runtime) {
     trainer.Train(train_data, chunk);
     test = evaluate();
   }
-  std::printf("Done: %" PRId64 " steps in %.1f s; test loss %.4f, test accuracy %.4f\n", state.step,
-              SecondsSince(run_start), test[kLoss], test[kAccuracy]);
+  if (runtime.is_chief()) {
+    std::printf("Done: %" PRId64 " steps in %.1f s; test loss %.4f, test accuracy %.4f\n", state.step,
+                SecondsSince(run_start), test[kLoss], test[kAccuracy]);
+  }
   return 0;
 }
 
@@ -197,12 +251,6 @@ int main(int argc, char** argv) {
     std::fprintf(stderr, "lockstep_train: %s\n", e.what());
     return kExitUsage;
   }
-  if (runtime.world_size > 1) {
-    std::fprintf(stderr, "lockstep_train: rank %d of %d (from %s): multi-rank training needs the data-parallel "
-                 "communicator, which this build does not have yet; run one process\n",
-                 runtime.rank, runtime.world_size, runtime.launcher.c_str());
-    return kExitUsage;
-  }
   absl::StatusOr<config::TrainerConfig> cfg =
       BuildConfig(absl::GetFlag(FLAGS_config), absl::GetFlag(FLAGS_set), runtime.world_size);
   if (!cfg.ok()) {
@@ -212,9 +260,9 @@ int main(int argc, char** argv) {
   try {
     return Run(*cfg, runtime);
   } catch (const c10::Error& e) {
-    std::fprintf(stderr, "lockstep_train: libtorch error: %s\n", e.what_without_backtrace());
+    std::fprintf(stderr, "lockstep_train: rank %d: libtorch error: %s\n", runtime.rank, e.what_without_backtrace());
   } catch (const std::exception& e) {
-    std::fprintf(stderr, "lockstep_train: error: %s\n", e.what());
+    std::fprintf(stderr, "lockstep_train: rank %d: error: %s\n", runtime.rank, e.what());
   }
   return kExitFailure;
 }

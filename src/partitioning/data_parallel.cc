@@ -204,7 +204,8 @@ DataParallel::DataParallel(Communicator* communicator, torch::nn::Module& model,
     if (v[4 * r + 1] != v[1]) absl::StrAppend(&problems, "; rank ", r, " has a different config from rank 0");
   }
   if (!problems.empty()) {
-    throw InvalidArgumentError("data-parallel start-up check failed on rank " + std::to_string(rank()) + problems.substr(1));
+    throw InvalidArgumentError("data-parallel start-up check failed on rank " + std::to_string(rank()) + ": " +
+                               problems.substr(2));
   }
   // Rank 0's initial parameters and buffers everywhere.
   at::NoGradGuard no_grad;
