@@ -2,12 +2,13 @@
 # Lockstep's developer entry point. Each command installs what is missing (Debian
 # packages, as root or through sudo), configures and builds incrementally, then runs:
 #
-#   ./dev.sh train [lockstep_train flags]  the main job: a CNN on Fashion-MNIST
+#   ./dev.sh train [lockstep_train flags]  the main job: a CNN on Fashion-MNIST, 2 ranks under mpirun
 #   ./dev.sh test  [ctest flags]           the whole test suite
 #   ./dev.sh bench [benchmark flags]       Trainer vs hand-written step benchmark
 #   ./dev.sh build                         install and build only
 #
-# Environment: BUILD_DIR (default: build), LOCKSTEP_SKIP_INSTALL=1 to skip apt.
+# Environment: BUILD_DIR (default: build), LOCKSTEP_RANKS (default: 2) for train,
+# LOCKSTEP_SKIP_INSTALL=1 to skip apt.
 set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")"
 
@@ -57,7 +58,8 @@ case "$command" in
     build ;;
   train)
     build
-    exec "$BUILD_DIR/lockstep_train" --config=configs/fashion_mnist_cnn.textproto "$@" ;;
+    exec launch/mpirun.sh -n "${LOCKSTEP_RANKS:-2}" -- \
+      "$BUILD_DIR/lockstep_train" --config=configs/fashion_mnist_cnn.textproto "$@" ;;
   test)
     build
     exec ctest --test-dir "$BUILD_DIR" --output-on-failure --timeout 900 -j 2 "$@" ;;
@@ -65,7 +67,7 @@ case "$command" in
     build
     exec "$BUILD_DIR/benchmarks/trainer_step_benchmark" "$@" ;;
   *)
-    sed -n '2,10p' "$0" | sed 's/^# \{0,1\}//'
+    sed -n '2,11p' "$0" | sed 's/^# \{0,1\}//'
     [[ -z "$command" ]] && exit 2
     log "unknown command '$command'"; exit 2 ;;
 esac

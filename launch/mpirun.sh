@@ -1,0 +1,42 @@
+#!/usr/bin/env bash
+# Starts a Lockstep program on N processes with Open MPI's mpirun, on this host or
+# on several.
+#
+#   launch/mpirun.sh [-n N] [--hosts HOST:SLOTS,...] [--] PROGRAM [ARGS...]
+#   launch/mpirun.sh -n 2 -- build/lockstep_train --config=configs/fashion_mnist_cnn.textproto
+#   launch/mpirun.sh -n 8 --hosts node1:4,node2:4 -- build/lockstep_train --config=...
+#
+# Several hosts need passwordless ssh between them, the same program path and data
+# on each, and Open MPI installed everywhere. Each rank reads its rank, world size
+# and local rank from Open MPI's OMPI_COMM_WORLD_* variables; mpirun binds each rank
+# to its cores, and each rank runs one libtorch thread per core it is bound to.
+# Environment passed through: MPIRUN_EXTRA_ARGS (extra mpirun flags).
+set -euo pipefail
+
+ranks=2
+hosts=""
+while [[ $# -gt 0 ]]; do
+  case "$1" in
+    -n|--np) ranks=$2; shift 2 ;;
+    --hosts) hosts=$2; shift 2 ;;
+    --) shift; break ;;
+    -h|--help) sed -n '2,15p' "$0" | sed 's/^# \{0,1\}//'; exit 0 ;;
+    -*) echo "launch/mpirun.sh: unknown option $1 (see --help)" >&2; exit 2 ;;
+    *) break ;;
+  esac
+done
+if [[ $# -eq 0 ]]; then echo "launch/mpirun.sh: no program to run (see --help)" >&2; exit 2; fi
+if ! [[ $ranks =~ ^[1-9][0-9]*$ ]]; then echo "launch/mpirun.sh: -n needs a positive integer, got '$ranks'" >&2; exit 2; fi
+command -v mpirun >/dev/null || { echo "launch/mpirun.sh: mpirun not found (install openmpi-bin)" >&2; exit 1; }
+
+args=(-np "$ranks")
+[[ $(id -u) -eq 0 ]] && args+=(--allow-run-as-root)
+if [[ -n $hosts ]]; then
+  args+=(--host "$hosts")
+elif [[ $ranks -gt $(nproc) ]]; then
+  args+=(--oversubscribe)
+fi
+# Shared-memory transfers through CMA are refused in many containers; plain copies work everywhere.
+export OMPI_MCA_btl_vader_single_copy_mechanism=${OMPI_MCA_btl_vader_single_copy_mechanism:-none}
+# shellcheck disable=SC2086
+exec mpirun "${args[@]}" ${MPIRUN_EXTRA_ARGS:-} "$@"
