@@ -26,6 +26,7 @@
 #include "lockstep/data.h"
 #include "lockstep/errors.h"
 #include "lockstep/models.h"
+#include "lockstep/nccl_communicator.h"
 #include "lockstep/runtime.h"
 #include "lockstep/torch_setup.h"
 #include "lockstep/trainer.h"
@@ -115,11 +116,16 @@ std::string ResolveDevice(const std::string& requested, const Runtime& runtime) 
 // The communicator for a world of more than one rank; null for a world of one.
 std::unique_ptr<Communicator> MakeCommunicator(const std::string& requested, const std::string& device,
                                                const Runtime& runtime) {
-  if (runtime.world_size == 1) return nullptr;
-  const std::string backend = requested == "auto" ? (device.rfind("cuda", 0) == 0 ? "nccl" : "mpi") : requested;
+  const bool on_gpu = device.rfind("cuda", 0) == 0;
+  const std::string backend = requested == "auto" ? (on_gpu ? "nccl" : "mpi") : requested;
+  if (runtime.world_size == 1 && requested != "nccl") return nullptr;
   if (backend == "nccl") {
-    throw Error("backend 'nccl' needs CUDA tensors and a GPU on every rank; this build runs on " + device +
-                " (use backend: \"mpi\" for CPU training)");
+    // The unique id travels over MPI; a world of one needs no bootstrap peer.
+    std::unique_ptr<Communicator> bootstrap =
+        runtime.world_size == 1 ? MakeSingleProcessCommunicator() : MakeCommunicator("mpi", "cpu", runtime);
+    std::unique_ptr<Communicator> nccl = MakeNcclCommunicator(*bootstrap, runtime.local_rank);
+    if (!on_gpu) throw Error("backend 'nccl' needs the model on a CUDA device, not " + device);
+    return nccl;
   }
 #if LOCKSTEP_HAVE_MPI
   std::unique_ptr<Communicator> comm = MakeMpiCommunicator();

@@ -169,6 +169,13 @@ TEST_F(TrainBinaryTest, BadFlagsAndConfigsExitWithCode2) {
   EXPECT_THAT(r.output, HasSubstr("stray_argument"));
 }
 
+TEST_F(TrainBinaryTest, AskingForNcclWithoutAGpuFailsAtStartUp) {
+  const Result r = RunTrainBinary("--set=backend=nccl,data.source=SYNTHETIC,output_dir=" + dir_ + "/out");
+  EXPECT_EQ(r.exit_code, 1);
+  EXPECT_THAT(r.output, ::testing::AnyOf(HasSubstr("NCCL backend: no CUDA device"),
+                                         HasSubstr("this build has no NCCL backend")));
+}
+
 TEST_F(TrainBinaryTest, MissingDataIsARuntimeFailureNamingTheFile) {
   const Result r = RunTrainBinary("--set=data.dir=" + dir_ + "/nowhere,output_dir=" + dir_ + "/out");
   EXPECT_EQ(r.exit_code, 1);
