@@ -315,14 +315,18 @@ class MpiCommunicator final : public Communicator {
   }
 
   // Tests the requests until all complete, or throws at the deadline.
+  // Open MPI progresses non-blocking collectives only inside MPI calls, so the
+  // worker polls: it spins for the first millisecond (a peer's message usually
+  // arrives within it), then sleeps between polls so the cores stay with compute.
   void Drive(MPI_Request* requests, int count, Clock::time_point deadline) {
-    for (int polls = 0;; ++polls) {
+    const Clock::time_point spin_until = Clock::now() + std::chrono::milliseconds(1);
+    while (true) {
       int flag = 0;
       LOCKSTEP_MPI_CHECK(MPI_Testall(count, requests, &flag, MPI_STATUSES_IGNORE));
       if (flag) return;
-      if (Clock::now() > deadline) throw CollectiveTimeoutError("deadline passed");
-      // Spin briefly for latency, then sleep so that the cores stay with compute.
-      if (polls > 200) std::this_thread::sleep_for(std::chrono::microseconds(50));
+      const Clock::time_point now = Clock::now();
+      if (now > deadline) throw CollectiveTimeoutError("deadline passed");
+      if (now > spin_until) std::this_thread::sleep_for(std::chrono::microseconds(20));
     }
   }
 
