@@ -7,9 +7,11 @@
 // fails on every rank with the differences named if not, then copies rank 0's
 // parameters and buffers to all ranks.
 //
-// GradientBucketer groups the parameters, in reverse registration order (the
-// order backward usually produces their gradients), into buckets of at most
-// `bucket_bytes`. Once armed for a backward pass, an autograd hook on each
+// GradientBucketer groups the parameters into buckets of at most `bucket_bytes`:
+// first in reverse registration order (roughly the order backward produces
+// gradients), then, after the first synchronised step, in the order their
+// gradients actually became final there (rank 0's order, broadcast, so that every
+// rank keeps the same buckets). Once armed for a backward pass, an autograd hook on each
 // parameter's gradient accumulator marks it ready; as soon as every gradient of a
 // bucket is final, the bucket's all-reduce starts while backward goes on. Buckets
 // start in index order on every rank (the SPMD rule), whatever order hooks fire.

@@ -40,6 +40,53 @@ struct GradientBucketer::State {
   bool armed = false;
   size_t next_to_launch = 0;
   int launched_during_backward = 0;
+  size_t bucket_bytes = 0;
+  // The order in which gradients became final in the first synchronised backward;
+  // the buckets are rebuilt in rank 0's order after it.
+  std::vector<size_t> ready_order;
+  bool rebuilt = false;
+
+  // Groups the parameters, in `order`, into buckets of at most bucket_bytes (a new
+  // bucket also when the dtype changes).
+  void Layout(const std::vector<size_t>& order) {
+    buckets.clear();
+    layout.clear();
+    size_t bytes = 0;
+    for (size_t i : order) {
+      const at::Tensor& p = parameters[i];
+      const size_t size = p.numel() * p.element_size();
+      const bool dtype_change = !buckets.empty() && parameters[buckets.back().params.front()].scalar_type() != p.scalar_type();
+      if (buckets.empty() || dtype_change || (bytes > 0 && bytes + size > bucket_bytes)) {
+        buckets.emplace_back();
+        bytes = 0;
+      }
+      buckets.back().params.push_back(i);
+      bucket_of[i] = buckets.size() - 1;
+      bytes += size;
+    }
+    for (Bucket& bucket : buckets) {
+      int64_t numel = 0;
+      for (size_t p : bucket.params) numel += parameters[p].numel();
+      bucket.flat = at::zeros({numel}, parameters[bucket.params.front()].options().requires_grad(false));
+      layout.push_back(bucket.params);
+    }
+  }
+
+  // After the first synchronised step: every rank takes rank 0's ready order.
+  void RebuildFromReadyOrder() {
+    rebuilt = true;
+    std::vector<bool> seen(parameters.size(), false);
+    for (size_t p : ready_order) seen[p] = true;
+    for (size_t i = parameters.size(); i-- > 0;) {
+      if (!seen[i]) ready_order.push_back(i);  // no gradient: keep reverse order
+    }
+    at::Tensor order = at::empty({static_cast<int64_t>(ready_order.size())}, at::kLong);
+    for (size_t i = 0; i < ready_order.size(); ++i) order[i] = static_cast<int64_t>(ready_order[i]);
+    communicator->Broadcast(order, 0, collective);
+    std::vector<size_t> agreed(ready_order.size());
+    for (size_t i = 0; i < agreed.size(); ++i) agreed[i] = static_cast<size_t>(order[i].item<int64_t>());
+    Layout(agreed);
+  }
 
   void Launch(size_t b) {
     Bucket& bucket = buckets[b];
@@ -70,6 +117,7 @@ struct GradientBucketer::State {
 
   void OnGradientFinal(size_t p) {
     if (!armed) return;
+    if (!rebuilt) ready_order.push_back(p);
     Bucket& bucket = buckets[bucket_of[p]];
     if (--bucket.pending == 0) LaunchReady();
   }
@@ -84,28 +132,12 @@ GradientBucketer::GradientBucketer(Communicator* communicator, std::vector<at::T
   s.collective = options.collective;
   s.parameters = std::move(parameters);
   s.bucket_of.assign(s.parameters.size(), 0);
-  // Reverse registration order, a new bucket when the dtype changes or it is full.
-  size_t bytes = 0;
-  for (size_t i = s.parameters.size(); i-- > 0;) {
-    const at::Tensor& p = s.parameters[i];
-    const size_t size = p.numel() * p.element_size();
-    const bool dtype_change = !s.buckets.empty() &&
-                              s.parameters[s.buckets.back().params.front()].scalar_type() != p.scalar_type();
-    if (s.buckets.empty() || dtype_change || (bytes > 0 && bytes + size > options.bucket_bytes)) {
-      s.buckets.emplace_back();
-      bytes = 0;
-    }
-    s.buckets.back().params.push_back(i);
-    s.bucket_of[i] = s.buckets.size() - 1;
-    bytes += size;
-  }
-  for (State::Bucket& bucket : s.buckets) {
-    int64_t numel = 0;
-    for (size_t p : bucket.params) numel += s.parameters[p].numel();
-    const at::Tensor& first = s.parameters[bucket.params.front()];
-    bucket.flat = at::zeros({numel}, first.options().requires_grad(false));
-    s.layout.push_back(bucket.params);
-  }
+  s.bucket_bytes = options.bucket_bytes;
+  // Until the first backward shows the real order: reverse registration order,
+  // which is roughly the order backward produces gradients in.
+  std::vector<size_t> reverse(s.parameters.size());
+  for (size_t i = 0; i < reverse.size(); ++i) reverse[i] = reverse.size() - 1 - i;
+  s.Layout(reverse);
   // A post hook on each parameter's gradient accumulator runs once the gradient of
   // this backward pass has been added to .grad.
   std::weak_ptr<State> weak = state_;
@@ -158,6 +190,7 @@ void GradientBucketer::Finish() {
       offset += param.numel();
     }
   }
+  if (!s.rebuilt) s.RebuildFromReadyOrder();
 }
 
 const std::vector<std::vector<size_t>>& GradientBucketer::buckets() const { return state_->layout; }

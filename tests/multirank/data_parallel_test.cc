@@ -5,7 +5,9 @@
 #include <gmock/gmock.h>
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <memory>
+#include <numeric>
 #include <string>
 
 #include "lockstep/data_parallel.h"
@@ -81,6 +83,13 @@ RunResult Train(const Case& c, Communicator* comm, int rank, int world, uint64_t
   EXPECT_EQ(state.step, kSteps);
   result.params = Snapshot(*state.model);
   if (DataParallel* dp = trainer.data_parallel()) {
+    // Rebuilt after the first step: still every parameter exactly once.
+    std::vector<size_t> all;
+    for (const auto& bucket : dp->bucketer().buckets()) all.insert(all.end(), bucket.begin(), bucket.end());
+    std::sort(all.begin(), all.end());
+    std::vector<size_t> expected(state.model->parameters().size());
+    std::iota(expected.begin(), expected.end(), 0);
+    EXPECT_EQ(all, expected);
     result.buckets = static_cast<int>(dp->bucketer().buckets().size());
     result.launched_during_backward = dp->bucketer().launched_during_backward();
   }
