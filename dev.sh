@@ -18,7 +18,7 @@ PACKAGES=(
   libtorch-dev libopenblas0-pthread
   libprotobuf-dev protobuf-compiler libgrpc++-dev protobuf-compiler-grpc libabsl-dev
   libopenmpi-dev openmpi-bin
-  libgtest-dev libgmock-dev libbenchmark-dev
+  libgtest-dev libgmock-dev libbenchmark-dev python3-protobuf
   dataset-fashion-mnist
 )
 

@@ -28,6 +28,7 @@
 #include "lockstep/models.h"
 #include "lockstep/nccl_communicator.h"
 #include "lockstep/runtime.h"
+#include "lockstep/summary_writers.h"
 #include "lockstep/torch_setup.h"
 #include "lockstep/trainer.h"
 #if LOCKSTEP_HAVE_MPI
@@ -186,7 +187,16 @@ int Run(const config::TrainerConfig& cfg, const Runtime& runtime) {
       std::chrono::milliseconds(static_cast<int64_t>(cfg.collective_timeout_seconds() * 1000));
   options.fingerprint = ConfigToText(cfg);
   Trainer trainer(state, model.apply, CrossEntropyLoss(), options, runtime);
-  trainer.AddSummarySink(StdoutLogger{});
+  // Rank 0 alone writes: stdout, TensorBoard events and JSONL, on a background
+  // thread so that the training thread never waits on I/O.
+  std::unique_ptr<AsyncSummaryWriter> writer;
+  if (runtime.is_chief()) {
+    auto events = std::make_shared<TensorBoardWriter>(output_dir.string());
+    auto jsonl = std::make_shared<JsonlWriter>(output_dir.string());
+    writer = std::make_unique<AsyncSummaryWriter>(std::vector<SummarySink>{
+        StdoutLogger{}, [events](const Summary& s) { (*events)(s); }, [jsonl](const Summary& s) { (*jsonl)(s); }});
+    trainer.AddSummarySink(writer->AsSink());
+  }
 
   ShardingOptions train_sharding;
   train_sharding.global_batch_size = cfg.data().global_batch_size();
@@ -213,6 +223,7 @@ int Run(const config::TrainerConfig& cfg, const Runtime& runtime) {
     trainer.Train(train_data, chunk);
     test = evaluate();
   }
+  if (writer) writer->Close();  // everything written before the last line
   if (runtime.is_chief()) {
     std::printf("Done: %" PRId64 " steps in %.1f s; test loss %.4f, test accuracy %.4f\n", state.step,
                 SecondsSince(run_start), test[kLoss], test[kAccuracy]);

@@ -1,0 +1,126 @@
+#include <gmock/gmock.h>
+#include <gtest/gtest.h>
+#include <unistd.h>
+
+#include <cmath>
+#include <cstring>
+#include <filesystem>
+#include <fstream>
+#include <sstream>
+
+#include "lockstep/errors.h"
+#include "lockstep/summary_writers.h"
+#include "proto/tensorboard.pb.h"
+
+namespace lockstep {
+namespace {
+
+class TempDir {
+ public:
+  TempDir() {
+    std::string pattern = (std::filesystem::temp_directory_path() / "lockstep_writers_XXXXXX").string();
+    path_ = mkdtemp(pattern.data());
+  }
+  ~TempDir() { std::filesystem::remove_all(path_); }
+  const std::string& path() const { return path_; }
+
+ private:
+  std::string path_;
+};
+
+std::string ReadFile(const std::string& path) {
+  std::ifstream in(path, std::ios::binary);
+  std::stringstream s;
+  s << in.rdbuf();
+  return s.str();
+}
+
+TEST(Crc32cTest, KnownValues) {
+  EXPECT_EQ(Crc32c("123456789", 9), 0xE3069283u);  // the CRC-32C check value
+  EXPECT_EQ(Crc32c("", 0), 0u);
+  const std::string zeros(32, '\0');
+  EXPECT_EQ(Crc32c(zeros.data(), zeros.size()), 0x8A9136AAu);  // RFC 3720 test vector
+}
+
+TEST(TensorBoardWriterTest, WritesChecksummedEventRecords) {
+  TempDir dir;
+  std::string path;
+  {
+    TensorBoardWriter writer(dir.path());
+    path = writer.path();
+    writer(Summary{"train", 100, {{"loss", 0.5}, {"accuracy", 0.75}}});
+    writer(Summary{"test", 100, {{"loss", NAN}}});
+  }
+  const std::string data = ReadFile(path);
+  std::vector<tensorboard::Event> events;
+  size_t offset = 0;
+  while (offset < data.size()) {
+    uint64_t length = 0;
+    std::memcpy(&length, data.data() + offset, 8);
+    uint32_t length_crc = 0;
+    std::memcpy(&length_crc, data.data() + offset + 8, 4);
+    EXPECT_EQ(length_crc, MaskCrc32c(Crc32c(data.data() + offset, 8)));
+    const std::string payload = data.substr(offset + 12, length);
+    uint32_t payload_crc = 0;
+    std::memcpy(&payload_crc, data.data() + offset + 12 + length, 4);
+    EXPECT_EQ(payload_crc, MaskCrc32c(Crc32c(payload.data(), payload.size())));
+    tensorboard::Event event;
+    ASSERT_TRUE(event.ParseFromString(payload));
+    events.push_back(event);
+    offset += 16 + length;
+  }
+  ASSERT_EQ(events.size(), 3u);
+  EXPECT_EQ(events[0].file_version(), "brain.Event:2");
+  EXPECT_EQ(events[1].step(), 100);
+  ASSERT_EQ(events[1].summary().value_size(), 2);
+  EXPECT_EQ(events[1].summary().value(0).tag(), "train/accuracy");
+  EXPECT_EQ(events[1].summary().value(0).simple_value(), 0.75f);
+  EXPECT_EQ(events[1].summary().value(1).tag(), "train/loss");
+  EXPECT_TRUE(std::isnan(events[2].summary().value(0).simple_value()));
+}
+
+TEST(JsonlWriterTest, OneObjectPerSummary) {
+  TempDir dir;
+  {
+    JsonlWriter writer(dir.path());
+    writer(Summary{"train", 10, {{"loss", 0.25}, {"weird", INFINITY}}});
+    writer(Summary{"te\"st", 20, {{"accuracy", 1.0}}});
+  }
+  EXPECT_EQ(ReadFile(dir.path() + "/metrics.jsonl"),
+            "{\"step\": 10, \"task\": \"train\", \"loss\": 0.25, \"weird\": null}\n"
+            "{\"step\": 20, \"task\": \"te\\\"st\", \"accuracy\": 1}\n");
+}
+
+TEST(WritersTest, UnwritableDirectoryIsAnErrorNamingThePath) {
+  EXPECT_THAT([] { TensorBoardWriter("/nonexistent/dir"); },
+              ::testing::ThrowsMessage<Error>(::testing::HasSubstr("/nonexistent/dir/events.out.tfevents")));
+  EXPECT_THAT([] { JsonlWriter("/nonexistent/dir"); },
+              ::testing::ThrowsMessage<Error>(::testing::HasSubstr("/nonexistent/dir/metrics.jsonl")));
+}
+
+TEST(AsyncSummaryWriterTest, WritesInOrderOnItsThreadAndCloseDrains) {
+  std::vector<int64_t> steps;
+  std::thread::id sink_thread;
+  AsyncSummaryWriter writer({[&](const Summary& s) {
+    steps.push_back(s.step);
+    sink_thread = std::this_thread::get_id();
+  }});
+  for (int i = 1; i <= 100; ++i) writer.Write(Summary{"train", i, {}});
+  writer.Close();
+  ASSERT_EQ(steps.size(), 100u);
+  for (int i = 0; i < 100; ++i) EXPECT_EQ(steps[i], i + 1);
+  EXPECT_NE(sink_thread, std::this_thread::get_id());
+  EXPECT_THROW(writer.Write(Summary{}), Error);
+  writer.Close();  // idempotent
+}
+
+TEST(AsyncSummaryWriterTest, CloseRethrowsASinkFailure) {
+  AsyncSummaryWriter writer({[](const Summary& s) {
+    if (s.step == 2) throw Error("disk full");
+  }});
+  for (int i = 1; i <= 3; ++i) writer.Write(Summary{"train", i, {}});
+  EXPECT_THAT([&] { writer.Close(); }, ::testing::ThrowsMessage<Error>(::testing::HasSubstr("disk full")));
+}
+
+}  // namespace
+}  // namespace lockstep
