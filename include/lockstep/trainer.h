@@ -24,6 +24,7 @@
 #include <utility>
 #include <vector>
 
+#include "lockstep/actions.h"
 #include "lockstep/communicator.h"
 #include "lockstep/data.h"
 #include "lockstep/data_parallel.h"
@@ -48,7 +49,8 @@ class BaseTrainer {
   // Runs `num_steps` train steps on batches from `data`, starting at `start_step`
   // (default: state.step). Every `summary_every_steps` steps, and after the last
   // one, a "train" summary goes to the sinks. Returns the metrics of the last
-  // summary period. Stops early, without error, when `data` is exhausted.
+  // summary period. Stops early, without error, when `data` is exhausted or an
+  // action halts training (see halt()).
   // Throws InvalidArgumentError for a negative num_steps or start_step.
   MetricMap Train(BatchIterator& data, int64_t num_steps, std::optional<int64_t> start_step = std::nullopt);
 
@@ -57,6 +59,11 @@ class BaseTrainer {
   std::vector<std::pair<std::string, MetricMap>> Eval(const NamedBatchIterators& sets);
 
   void AddSummarySink(SummarySink sink) { sinks_.push_back(std::move(sink)); }
+  // Runs after every summary; a halt stops Train after the current step on every
+  // rank (the decision is rank 0's, shared through AgreeOnHalt).
+  void AddAction(std::unique_ptr<Action> action) { actions_.push_back(std::move(action)); }
+  // Why training stopped early, if an action stopped it.
+  const HaltDecision& halt() const { return halt_; }
   void set_summary_every_steps(int64_t steps);
 
   TrainState& state() { return state_; }
@@ -71,13 +78,19 @@ class BaseTrainer {
   // Combines one eval set's sums over ranks (default: this rank's alone).
   virtual void ReduceEvalSums(MetricSums& /*sums*/) {}
 
-  void Emit(const Summary& summary) const;
+  // Shares rank 0's decision with every rank (default: a world of one).
+  virtual HaltDecision AgreeOnHalt(const HaltDecision& rank0_decision) { return rank0_decision; }
+
+  // Hands the summary to the sinks and actions (rank 0), then agrees on halting.
+  void Emit(const Summary& summary);
 
  private:
   TrainState& state_;  // Not owned.
   const Runtime runtime_;
   int64_t summary_every_steps_ = 100;
   std::vector<SummarySink> sinks_;
+  std::vector<std::unique_ptr<Action>> actions_;
+  HaltDecision halt_;
 };
 
 struct TrainerOptions {
@@ -109,6 +122,7 @@ class Trainer : public BaseTrainer {
   MetricMap TrainStep(const Batch& batch) override;
   MetricSums EvalStep(const Batch& batch) override;
   void ReduceEvalSums(MetricSums& sums) override;
+  HaltDecision AgreeOnHalt(const HaltDecision& rank0_decision) override;
 
  private:
   const ApplyFn apply_;

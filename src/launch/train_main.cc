@@ -5,7 +5,8 @@
 //                  --set=num_train_steps=500,output_dir=runs/short
 //
 // Exit codes: 0 done; 1 a failure while running (unreadable data, a libtorch
-// error); 2 a bad command line or config (the message names the flag or field).
+// error); 2 a bad command line or config (the message names the flag or field);
+// 3 training diverged (the train loss became NaN or infinite; every rank stops).
 #include <torch/cuda.h>
 #include <torch/utils.h>
 
@@ -46,6 +47,7 @@ namespace {
 
 constexpr int kExitFailure = 1;
 constexpr int kExitUsage = 2;
+constexpr int kExitDiverged = 3;  // an action stopped training as a failure (NaN loss)
 
 // absl::ParseCommandLine reports a bad flag and calls exit(1); during parsing this
 // handler turns that into our usage-error exit code. --help exits 0.
@@ -198,6 +200,14 @@ int Run(const config::TrainerConfig& cfg, const Runtime& runtime) {
     trainer.AddSummarySink(writer->AsSink());
   }
 
+  if (cfg.terminate_on_nan()) trainer.AddAction(std::make_unique<TerminateOnNanAction>("train", kLoss));
+  if (cfg.early_stopping().enabled()) {
+    const config::EarlyStoppingConfig& e = cfg.early_stopping();
+    trainer.AddAction(std::make_unique<EarlyStoppingAction>(
+        e.task(), e.metric(), e.mode() == "max" ? EarlyStoppingAction::Mode::kMax : EarlyStoppingAction::Mode::kMin,
+        e.patience(), e.atol(), e.rtol()));
+  }
+
   ShardingOptions train_sharding;
   train_sharding.global_batch_size = cfg.data().global_batch_size();
   train_sharding.rank = runtime.rank;
@@ -222,13 +232,15 @@ int Run(const config::TrainerConfig& cfg, const Runtime& runtime) {
     const int64_t chunk = std::min(period - state.step % period, total - state.step);
     trainer.Train(train_data, chunk);
     test = evaluate();
+    if (trainer.halt().halt) break;
   }
   if (writer) writer->Close();  // everything written before the last line
   if (runtime.is_chief()) {
+    if (trainer.halt().halt) std::printf("Stopped after step %" PRId64 ": %s\n", state.step, trainer.halt().reason.c_str());
     std::printf("Done: %" PRId64 " steps in %.1f s; test loss %.4f, test accuracy %.4f\n", state.step,
                 SecondsSince(run_start), test[kLoss], test[kAccuracy]);
   }
-  return 0;
+  return trainer.halt().failure ? kExitDiverged : 0;
 }
 
 }  // namespace

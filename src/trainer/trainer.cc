@@ -5,6 +5,8 @@
 
 #include <ATen/ATen.h>
 
+#include <cstring>
+
 #include "lockstep/errors.h"
 
 namespace lockstep {
@@ -16,9 +18,18 @@ void BaseTrainer::set_summary_every_steps(int64_t steps) {
   summary_every_steps_ = steps;
 }
 
-void BaseTrainer::Emit(const Summary& summary) const {
-  if (!runtime_.is_chief()) return;
-  for (const SummarySink& sink : sinks_) sink(summary);
+void BaseTrainer::Emit(const Summary& summary) {
+  HaltDecision decision;
+  if (runtime_.is_chief()) {
+    for (const SummarySink& sink : sinks_) sink(summary);
+    for (const auto& action : actions_) {
+      HaltDecision d = action->OnSummary(summary);
+      if (d.halt && !decision.halt) decision = std::move(d);
+    }
+  }
+  if (actions_.empty()) return;  // every rank has the same actions (SPMD)
+  decision = AgreeOnHalt(decision);
+  if (decision.halt && !halt_.halt) halt_ = decision;
 }
 
 MetricMap BaseTrainer::Train(BatchIterator& data, int64_t num_steps, std::optional<int64_t> start_step) {
@@ -33,7 +44,7 @@ MetricMap BaseTrainer::Train(BatchIterator& data, int64_t num_steps, std::option
     last = period.Flush();
     Emit(Summary{"train", state_.step, last});
   };
-  for (int64_t i = 0; i < num_steps; ++i) {
+  for (int64_t i = 0; i < num_steps && !halt_.halt; ++i) {
     std::optional<Batch> batch = data.Next();
     if (!batch) break;
     const int64_t before = state_.step;
@@ -43,6 +54,7 @@ MetricMap BaseTrainer::Train(BatchIterator& data, int64_t num_steps, std::option
                   std::to_string(state_.step) + ")");
     }
     if (state_.step % summary_every_steps_ == 0) flush();
+    if (halt_.halt) break;
   }
   if (!period.empty()) flush();
   return last;
@@ -84,6 +96,27 @@ Trainer::Trainer(TrainState& state, ApplyFn apply, LossFn loss, TrainerOptions o
                                                     options_.data_parallel);
     options_.step.data_parallel = data_parallel_.get();
   }
+}
+
+HaltDecision Trainer::AgreeOnHalt(const HaltDecision& rank0_decision) {
+  if (!data_parallel_) return rank0_decision;
+  // [halt, failure, reason length] then the reason's bytes, from rank 0.
+  at::Tensor head = at::tensor({static_cast<int64_t>(rank0_decision.halt), static_cast<int64_t>(rank0_decision.failure),
+                                static_cast<int64_t>(rank0_decision.reason.size())},
+                               at::kLong);
+  Communicator& comm = data_parallel_->communicator();
+  comm.Broadcast(head, 0, options_.data_parallel.collective);
+  HaltDecision decision;
+  decision.halt = head[0].item<int64_t>() != 0;
+  decision.failure = head[1].item<int64_t>() != 0;
+  const int64_t length = head[2].item<int64_t>();
+  if (length > 0) {
+    at::Tensor text = at::zeros({length}, at::kByte);
+    if (data_parallel_->rank() == 0) std::memcpy(text.data_ptr(), rank0_decision.reason.data(), length);
+    comm.Broadcast(text, 0, options_.data_parallel.collective);
+    decision.reason.assign(static_cast<const char*>(text.data_ptr()), length);
+  }
+  return decision;
 }
 
 void Trainer::ReduceEvalSums(MetricSums& sums) {

@@ -171,3 +171,38 @@ TEST_F(DataParallelTest, AMismatchedConfigFailsOnEveryRank) {
 
 }  // namespace
 }  // namespace lockstep
+
+namespace lockstep {
+namespace {
+
+// A NaN loss on one rank only (the last) at step 3: the global loss is NaN, rank 0
+// decides to stop, and every rank stops after the same step.
+TEST_F(DataParallelTest, ANanOnOneRankStopsEveryRankCleanly) {
+  BuiltModel model = TinyModel(3);
+  TrainState state = MakeTrainState(model.module, Factory(OptimizerOptions::Kind::kSgd));
+  TrainerOptions options;
+  options.communicator = comm_.get();
+  options.summary_every_steps = 1;
+  const int poisoned_rank = size_ - 1;
+  LossFn loss = [&state, this, poisoned_rank](const at::Tensor& outputs, const at::Tensor& targets) {
+    at::Tensor per_example = CrossEntropyLoss()(outputs, targets);
+    if (rank_ == poisoned_rank && state.step == 2) per_example = per_example * NAN;
+    return per_example;
+  };
+  Trainer trainer(state, model.apply, loss, options, Runtime{rank_, size_, 0, "", "mpirun"});
+  trainer.AddAction(std::make_unique<TerminateOnNanAction>());
+  ShardingOptions sharding;
+  sharding.global_batch_size = 12;
+  sharding.rank = rank_;
+  sharding.world_size = size_;
+  ShardedBatchIterator data(TinyDataset(120), sharding);
+  trainer.Train(data, 10);
+  EXPECT_EQ(state.step, 3);
+  EXPECT_TRUE(trainer.halt().halt);
+  EXPECT_TRUE(trainer.halt().failure);
+  EXPECT_THAT(trainer.halt().reason, HasSubstr("train loss is nan at step 3"));
+  comm_->Barrier();  // nobody is left behind in a collective
+}
+
+}  // namespace
+}  // namespace lockstep

@@ -223,3 +223,55 @@ TEST(MetricsTest, AccumulatorWeightsByExamplesAndKeepsTheLastLearningRate) {
 
 }  // namespace
 }  // namespace lockstep
+
+namespace lockstep {
+namespace {
+
+Summary LossAt(int64_t step, double loss, const std::string& task = "test") { return Summary{task, step, {{kLoss, loss}}}; }
+
+TEST(EarlyStoppingActionTest, StopsAfterPatienceSummariesWithoutImprovement) {
+  EarlyStoppingAction action("test", kLoss, EarlyStoppingAction::Mode::kMin, /*patience=*/2);
+  EXPECT_FALSE(action.OnSummary(LossAt(1, 5.0)).halt);
+  EXPECT_FALSE(action.OnSummary(LossAt(2, 4.0)).halt);               // best
+  EXPECT_FALSE(action.OnSummary(LossAt(3, 1.0, "train")).halt);      // another task: ignored
+  EXPECT_FALSE(action.OnSummary(LossAt(4, 4.5)).halt);               // 1 without improvement
+  EXPECT_FALSE(action.OnSummary(LossAt(5, 4.2)).halt);               // 2
+  const HaltDecision d = action.OnSummary(LossAt(6, 4.1));           // 3 > patience
+  EXPECT_TRUE(d.halt);
+  EXPECT_FALSE(d.failure);
+  EXPECT_THAT(d.reason, HasSubstr("test loss has not improved on 4 (step 2) for 3 summaries"));
+}
+
+TEST(EarlyStoppingActionTest, ToleranceAndMaxMode) {
+  EarlyStoppingAction action("test", kAccuracy, EarlyStoppingAction::Mode::kMax, /*patience=*/0, /*atol=*/0.01);
+  EXPECT_FALSE(action.OnSummary(Summary{"test", 1, {{kAccuracy, 0.80}}}).halt);
+  EXPECT_FALSE(action.OnSummary(Summary{"test", 2, {{kAccuracy, 0.82}}}).halt);  // +0.02 > atol
+  EXPECT_TRUE(action.OnSummary(Summary{"test", 3, {{kAccuracy, 0.825}}}).halt);  // +0.005 is not enough
+  EXPECT_THROW(EarlyStoppingAction("t", "m", EarlyStoppingAction::Mode::kMin, -1), InvalidArgumentError);
+}
+
+TEST(TerminateOnNanActionTest, StopsAsAFailureOnNanOrInfinity) {
+  TerminateOnNanAction action;
+  EXPECT_FALSE(action.OnSummary(LossAt(1, 2.0, "train")).halt);
+  EXPECT_FALSE(action.OnSummary(LossAt(2, NAN, "test")).halt);  // watches train only
+  const HaltDecision d = action.OnSummary(LossAt(3, INFINITY, "train"));
+  EXPECT_TRUE(d.halt);
+  EXPECT_TRUE(d.failure);
+  EXPECT_THAT(d.reason, HasSubstr("train loss is inf at step 3"));
+}
+
+TEST(BaseTrainerTest, AnActionStopsTrainingAtTheRightStep) {
+  TrainState state;
+  CountingTrainer trainer(state, Runtime::SingleProcess());  // loss = step after the step
+  trainer.set_summary_every_steps(1);
+  trainer.AddAction(std::make_unique<EarlyStoppingAction>("train", kLoss, EarlyStoppingAction::Mode::kMin, 2));
+  ShardedBatchIterator data(TinyDataset(100), Sharding(10));
+  trainer.Train(data, 100);
+  EXPECT_EQ(state.step, 4);  // best at step 1, then 3 summaries without improvement
+  EXPECT_TRUE(trainer.halt().halt);
+  trainer.Train(data, 10);
+  EXPECT_EQ(state.step, 4) << "a halted trainer does not train on";
+}
+
+}  // namespace
+}  // namespace lockstep
