@@ -28,6 +28,7 @@
 #include "lockstep/errors.h"
 #include "lockstep/models.h"
 #include "lockstep/nccl_communicator.h"
+#include "lockstep/progress.h"
 #include "lockstep/runtime.h"
 #include "lockstep/summary_writers.h"
 #include "lockstep/torch_setup.h"
@@ -191,12 +192,23 @@ int Run(const config::TrainerConfig& cfg, const Runtime& runtime) {
   Trainer trainer(state, model.apply, CrossEntropyLoss(), options, runtime);
   // Rank 0 alone writes: stdout, TensorBoard events and JSONL, on a background
   // thread so that the training thread never waits on I/O.
+  // On a terminal, a progress bar replaces the train lines; plots at the end.
   std::unique_ptr<AsyncSummaryWriter> writer;
+  std::shared_ptr<ProgressBar> progress;
+  auto plotter = std::make_shared<CurvePlotter>();
   if (runtime.is_chief()) {
     auto events = std::make_shared<TensorBoardWriter>(output_dir.string());
     auto jsonl = std::make_shared<JsonlWriter>(output_dir.string());
-    writer = std::make_unique<AsyncSummaryWriter>(std::vector<SummarySink>{
-        StdoutLogger{}, [events](const Summary& s) { (*events)(s); }, [jsonl](const Summary& s) { (*jsonl)(s); }});
+    std::vector<SummarySink> sinks = {[events](const Summary& s) { (*events)(s); },
+                                      [jsonl](const Summary& s) { (*jsonl)(s); },
+                                      [plotter](const Summary& s) { (*plotter)(s); }};
+    if (IsTerminal(stdout)) {
+      progress = std::make_shared<ProgressBar>(cfg.num_train_steps());
+      sinks.push_back([progress](const Summary& s) { (*progress)(s); });
+    } else {
+      sinks.push_back(StdoutLogger{});
+    }
+    writer = std::make_unique<AsyncSummaryWriter>(std::move(sinks));
     trainer.AddSummarySink(writer->AsSink());
   }
 
@@ -235,7 +247,10 @@ int Run(const config::TrainerConfig& cfg, const Runtime& runtime) {
     if (trainer.halt().halt) break;
   }
   if (writer) writer->Close();  // everything written before the last line
+  if (progress) progress->Finish();
   if (runtime.is_chief()) {
+    const std::vector<std::string> plots = plotter->WritePlots(output_dir.string());
+    if (!plots.empty()) std::printf("Plots: %s/{loss,accuracy,learning_rate,examples_per_second}.svg\n", output_dir.c_str());
     if (trainer.halt().halt) std::printf("Stopped after step %" PRId64 ": %s\n", state.step, trainer.halt().reason.c_str());
     std::printf("Done: %" PRId64 " steps in %.1f s; test loss %.4f, test accuracy %.4f\n", state.step,
                 SecondsSince(run_start), test[kLoss], test[kAccuracy]);

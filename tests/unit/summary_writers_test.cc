@@ -124,3 +124,52 @@ TEST(AsyncSummaryWriterTest, CloseRethrowsASinkFailure) {
 
 }  // namespace
 }  // namespace lockstep
+
+#include "lockstep/progress.h"
+
+namespace lockstep {
+namespace {
+
+TEST(ProgressBarTest, LineShowsStepEtaLossAndAccuracy) {
+  ProgressBar bar(100);
+  bar(Summary{"train", 0, {}});  // the first summary starts the clock
+  EXPECT_EQ(bar.Line(50, 10.0, {{kLoss, 0.5}, {kAccuracy, 0.8}}),
+            "[###############...............] step 50/100 ETA 0:10 loss 0.5000 acc 0.8000");
+  EXPECT_EQ(bar.Line(100, 20.0, {{kLoss, 0.25}}), "[##############################] step 100/100 loss 0.2500");
+}
+
+TEST(ProgressBarTest, RedrawsTrainLinesAndPrintsEvalLinesBelow) {
+  char buffer[4096] = {};
+  std::FILE* stream = fmemopen(buffer, sizeof(buffer) - 1, "w");
+  {
+    ProgressBar bar(20, stream);
+    bar(Summary{"train", 10, {{kLoss, 1.0}}});
+    bar(Summary{"train", 20, {{kLoss, 0.5}}});
+    bar(Summary{"test", 20, {{kAccuracy, 0.9}}});
+    bar.Finish();
+  }
+  std::fclose(stream);
+  const std::string out = buffer;
+  EXPECT_THAT(out, ::testing::HasSubstr("\r[###############...............] step 10/20"));
+  EXPECT_THAT(out, ::testing::HasSubstr("step 20/20 loss 0.5000\x1b[K\nStep     20: test accuracy | 0.90000000\n"));
+}
+
+TEST(CurvePlotterTest, WritesOneSvgPerMetricWithData) {
+  TempDir dir;
+  CurvePlotter plotter;
+  for (int step = 10; step <= 50; step += 10) {
+    plotter(Summary{"train", step, {{kLoss, 1.0 / step}, {kLearningRate, 0.1}}});
+    plotter(Summary{"test", step, {{kLoss, 2.0 / step}, {kAccuracy, step / 100.0}}});
+  }
+  const std::vector<std::string> written = plotter.WritePlots(dir.path());
+  EXPECT_EQ(written.size(), 3u);  // loss, accuracy, learning_rate
+  const std::string loss = ReadFile(dir.path() + "/loss.svg");
+  EXPECT_THAT(loss, ::testing::StartsWith("<svg xmlns=\"http://www.w3.org/2000/svg\""));
+  EXPECT_THAT(loss, ::testing::HasSubstr(">train</text>"));
+  EXPECT_THAT(loss, ::testing::HasSubstr(">test</text>"));
+  EXPECT_EQ(std::count(loss.begin(), loss.end(), 'L'), 8 + 0) << "two polylines of five points";
+  EXPECT_FALSE(std::filesystem::exists(dir.path() + "/examples_per_second.svg"));
+}
+
+}  // namespace
+}  // namespace lockstep
