@@ -28,6 +28,7 @@ inline constexpr char kGradientsL2Norm[] = "gradients_l2norm";
 inline constexpr char kWeightsL2Norm[] = "weights_l2norm";
 inline constexpr char kSecondsPerStep[] = "seconds_per_step";
 inline constexpr char kExamplesPerSecond[] = "examples_per_second";
+inline constexpr char kStepsPerSecond[] = "steps_per_second";  // summaries only
 // Examples in the step's global batch; used to weight means, not printed.
 inline constexpr char kNumExamples[] = "num_examples";
 
@@ -49,9 +50,10 @@ struct StdoutLogger {
 };
 
 // Averages per-step metrics over a summary period. loss and accuracy are weighted
-// by the examples of each step; learning_rate and weights_l2norm keep the last
-// value; examples_per_second is total examples over total seconds; every other
-// metric is the mean over steps.
+// by the examples of each step; learning_rate, weights_l2norm and the per-weight
+// rms and max keep the last value; examples_per_second and steps_per_second are
+// totals over the total seconds of the steps; every other metric is the mean
+// over steps.
 class MetricsAccumulator {
  public:
   void Add(const MetricMap& step_metrics);

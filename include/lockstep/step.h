@@ -66,6 +66,10 @@ struct StepOptions {
   // are summed across ranks (bucketed, during the last microbatch's backward) and
   // the step's metrics are global. Not owned.
   DataParallel* data_parallel = nullptr;
+  // Also report, per parameter tensor, "weights/<name>/rms", "weights/<name>/max"
+  // (largest magnitude) and "weights/<name>/update_ratio" (||update|| / ||before||).
+  // Costs a copy of the parameters per step.
+  bool weight_metrics = false;
 };
 
 // Runs one optimizer step on `state` (and increments state.step). Returns the

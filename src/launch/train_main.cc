@@ -183,6 +183,7 @@ int Run(const config::TrainerConfig& cfg, const Runtime& runtime) {
   options.step.num_microbatches = cfg.num_microbatches();
   options.step.max_grad_norm = cfg.max_grad_norm();
   options.step.schedule = ToLrSchedule(cfg);
+  options.step.weight_metrics = cfg.weight_metrics();
   options.summary_every_steps = cfg.summary_every_steps();
   options.communicator = communicator.get();
   options.data_parallel.bucket_bytes = static_cast<size_t>(cfg.bucket_mb() * (1 << 20));

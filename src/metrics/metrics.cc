@@ -6,7 +6,13 @@
 namespace lockstep {
 namespace {
 
-bool KeepsLast(const std::string& name) { return name == kLearningRate || name == kWeightsL2Norm; }
+bool EndsWith(const std::string& s, const std::string& suffix) {
+  return s.size() >= suffix.size() && s.compare(s.size() - suffix.size(), suffix.size(), suffix) == 0;
+}
+bool KeepsLast(const std::string& name) {
+  return name == kLearningRate || name == kWeightsL2Norm ||
+         (name.rfind("weights/", 0) == 0 && (EndsWith(name, "/rms") || EndsWith(name, "/max")));
+}
 bool WeightedByExamples(const std::string& name) { return name == kLoss || name == kAccuracy; }
 
 }  // namespace
@@ -56,7 +62,10 @@ MetricMap MetricsAccumulator::Flush() {
     }
   }
   const auto seconds = sums_.find(kSecondsPerStep);
-  if (seconds != sums_.end() && seconds->second > 0) out[kExamplesPerSecond] = examples_ / seconds->second;
+  if (seconds != sums_.end() && seconds->second > 0) {
+    out[kExamplesPerSecond] = examples_ / seconds->second;
+    out[kStepsPerSecond] = static_cast<double>(steps_) / seconds->second;
+  }
   steps_ = 0;
   examples_ = 0;
   sums_.clear();

@@ -143,6 +143,10 @@ MetricMap RunTrainStep(TrainState& state, const Batch& batch, const ApplyFn& app
   } else {
     grad_norm = GlobalL2Norm(Gradients(params));
   }
+  std::vector<std::pair<std::string, at::Tensor>> before;
+  if (options.weight_metrics) {
+    for (const auto& item : state.model->named_parameters()) before.emplace_back(item.key(), item.value().detach().clone());
+  }
   optimizer.step();
   ++state.step;
 
@@ -153,6 +157,16 @@ MetricMap RunTrainStep(TrainState& state, const Batch& batch, const ApplyFn& app
   metrics[kGradientsL2Norm] = grad_norm;
   metrics[kWeightsL2Norm] = GlobalL2Norm(params);
   metrics[kNumExamples] = global[2];
+  if (options.weight_metrics) {
+    const auto named = state.model->named_parameters();
+    for (const auto& [name, old_value] : before) {
+      const at::Tensor now = named[name].detach();
+      metrics["weights/" + name + "/rms"] = now.pow(2).mean().sqrt().item<double>();
+      metrics["weights/" + name + "/max"] = now.abs().max().item<double>();
+      const double norm = old_value.norm().item<double>();
+      metrics["weights/" + name + "/update_ratio"] = norm > 0 ? (now - old_value).norm().item<double>() / norm : 0.0;
+    }
+  }
   const double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
   metrics[kSecondsPerStep] = seconds;
   metrics[kExamplesPerSecond] = seconds > 0 ? global[2] / seconds : 0.0;

@@ -266,3 +266,27 @@ TEST(LrScheduleTest, RejectsBadFields) {
 
 }  // namespace
 }  // namespace lockstep
+
+namespace lockstep {
+namespace {
+
+TEST(TrainStepTest, PerParameterWeightMetrics) {
+  BuiltModel model = TinyModel(8);
+  TrainState state = MakeTrainState(model.module, Factory(Opt::kSgd));
+  const std::vector<at::Tensor> before = Snapshot(*model.module);
+  StepOptions options;
+  options.weight_metrics = true;
+  const MetricMap m = RunTrainStep(state, Batches(16, 1, false).front(), model.apply, CrossEntropyLoss(), options);
+  const auto named = model.module->named_parameters();
+  ASSERT_TRUE(named.contains("layers.1.weight"));
+  const at::Tensor w = named["layers.1.weight"].detach();
+  EXPECT_NEAR(m.at("weights/layers.1.weight/rms"), w.pow(2).mean().sqrt().item<double>(), 1e-7);
+  EXPECT_NEAR(m.at("weights/layers.1.weight/max"), w.abs().max().item<double>(), 1e-7);
+  EXPECT_NEAR(m.at("weights/layers.1.weight/update_ratio"),
+              (w - before[0]).norm().item<double>() / before[0].norm().item<double>(), 1e-6);
+  EXPECT_GT(m.at("weights/layers.1.weight/update_ratio"), 0);
+  EXPECT_EQ(m.count("weights/layers.3.bias/rms"), 1u);
+}
+
+}  // namespace
+}  // namespace lockstep

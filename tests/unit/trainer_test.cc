@@ -217,6 +217,7 @@ TEST(MetricsTest, AccumulatorWeightsByExamplesAndKeepsTheLastLearningRate) {
   EXPECT_DOUBLE_EQ(m.at(kLearningRate), 0.2);
   EXPECT_DOUBLE_EQ(m.at(kSecondsPerStep), 2.0);
   EXPECT_DOUBLE_EQ(m.at(kExamplesPerSecond), 40 / 4.0);
+  EXPECT_DOUBLE_EQ(m.at(kStepsPerSecond), 2 / 4.0);
   EXPECT_DOUBLE_EQ(m.at(kGradientsL2Norm), 3.0);
   EXPECT_TRUE(acc.empty());
 }
