@@ -36,6 +36,9 @@ if [[ -n $hosts ]]; then
 elif [[ $ranks -gt $(nproc) ]]; then
   args+=(--oversubscribe)
 fi
+# Every rank's stdout is a pseudo-terminal under mpirun; tell rank 0 what ours is.
+if [[ -t 1 ]]; then export LOCKSTEP_STDOUT_IS_TERMINAL=1; else export LOCKSTEP_STDOUT_IS_TERMINAL=0; fi
+args+=(-x LOCKSTEP_STDOUT_IS_TERMINAL)
 # Shared-memory transfers through CMA are refused in many containers; plain copies work everywhere.
 export OMPI_MCA_btl_vader_single_copy_mechanism=${OMPI_MCA_btl_vader_single_copy_mechanism:-none}
 # shellcheck disable=SC2086

@@ -212,6 +212,8 @@ absl::Status ValidateConfig(const config::TrainerConfig& c, int world_size) {
   check.Require(c.device() == "auto" || c.device() == "cpu" || c.device().rfind("cuda", 0) == 0, "device",
                 "must be auto, cpu, cuda or cuda:N", c.device());
   check.Require(c.bucket_mb() > 0, "bucket_mb", "must be > 0", c.bucket_mb());
+  check.Require(c.progress() == "auto" || c.progress() == "bar" || c.progress() == "lines", "progress",
+                "must be one of auto, bar, lines", c.progress());
   const auto& e = c.early_stopping();
   check.Require(e.mode() == "min" || e.mode() == "max", "early_stopping.mode", "must be min or max", e.mode());
   check.Require(e.patience() >= 0, "early_stopping.patience", "must be >= 0", e.patience());

@@ -145,6 +145,13 @@ std::unique_ptr<Communicator> MakeCommunicator(const std::string& requested, con
 #endif
 }
 
+// See TrainerConfig.progress.
+bool UseProgressBar(const std::string& progress, const Runtime& runtime) {
+  if (progress != "auto") return progress == "bar";
+  if (const char* told = std::getenv("LOCKSTEP_STDOUT_IS_TERMINAL")) return std::string(told) == "1";
+  return runtime.launcher != "mpirun" && IsTerminal(stdout);
+}
+
 int Run(const config::TrainerConfig& cfg, const Runtime& runtime) {
   const auto run_start = std::chrono::steady_clock::now();
   const int threads = ConfigureTorchForTraining(cfg.num_threads());
@@ -203,7 +210,7 @@ int Run(const config::TrainerConfig& cfg, const Runtime& runtime) {
     std::vector<SummarySink> sinks = {[events](const Summary& s) { (*events)(s); },
                                       [jsonl](const Summary& s) { (*jsonl)(s); },
                                       [plotter](const Summary& s) { (*plotter)(s); }};
-    if (IsTerminal(stdout)) {
+    if (UseProgressBar(cfg.progress(), runtime)) {
       progress = std::make_shared<ProgressBar>(cfg.num_train_steps());
       sinks.push_back([progress](const Summary& s) { (*progress)(s); });
     } else {
