@@ -72,7 +72,8 @@ struct StepOptions {
   bool weight_metrics = false;
 };
 
-// Runs one optimizer step on `state` (and increments state.step). Returns the
+// Runs one optimizer step on `state` (and increments state.step). The batch is
+// moved to the device of the model's parameters when it is elsewhere. Returns the
 // step's metrics: loss, accuracy (when outputs are [N, C] logits and targets are
 // integer classes), learning_rate, gradients_l2norm (before clipping),
 // weights_l2norm (after the update), seconds_per_step, examples_per_second and

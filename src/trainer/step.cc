@@ -34,6 +34,15 @@ std::vector<at::Tensor> Gradients(const std::vector<at::Tensor>& params) {
   return grads;
 }
 
+// The batch on the device of the model's parameters (a no-op when it is there).
+Batch OnModelDevice(const torch::nn::Module& model, const Batch& batch) {
+  const std::vector<at::Tensor> params = model.parameters();
+  if (params.empty() || !batch.inputs.defined() || batch.inputs.device() == params.front().device()) return batch;
+  const at::Device device = params.front().device();
+  return Batch{batch.inputs.to(device), batch.targets.to(device),
+               batch.weights.defined() ? batch.weights.to(device) : at::Tensor()};
+}
+
 }  // namespace
 
 LossFn CrossEntropyLoss() {
@@ -61,10 +70,11 @@ double GlobalL2Norm(const std::vector<at::Tensor>& tensors) {
   return at::stack(norms).norm(2).item<double>();
 }
 
-MetricMap RunTrainStep(TrainState& state, const Batch& batch, const ApplyFn& apply, const LossFn& loss,
+MetricMap RunTrainStep(TrainState& state, const Batch& host_batch, const ApplyFn& apply, const LossFn& loss,
                        const StepOptions& options) {
   const auto start = std::chrono::steady_clock::now();
   if (!state.model || !state.optimizer) throw InvalidArgumentError("train step: the state has no model or optimizer");
+  const Batch batch = OnModelDevice(*state.model, host_batch);
   if (options.num_microbatches < 1) {
     throw InvalidArgumentError("train step: num_microbatches must be >= 1, got " +
                                std::to_string(options.num_microbatches));
@@ -185,8 +195,10 @@ MetricMap MetricSums::Means() const {
   return means;
 }
 
-MetricSums RunEvalStep(torch::nn::Module& model, const Batch& batch, const ApplyFn& apply, const MetricFn& metrics) {
+MetricSums RunEvalStep(torch::nn::Module& model, const Batch& host_batch, const ApplyFn& apply,
+                       const MetricFn& metrics) {
   MetricSums out;
+  const Batch batch = OnModelDevice(model, host_batch);
   const int64_t n = batch.size();
   if (n == 0) return out;
   at::NoGradGuard no_grad;
