@@ -34,9 +34,8 @@ std::vector<at::Tensor> Gradients(const std::vector<at::Tensor>& params) {
   return grads;
 }
 
-// The batch on the device of the model's parameters (a no-op when it is there).
-Batch OnModelDevice(const torch::nn::Module& model, const Batch& batch) {
-  const std::vector<at::Tensor> params = model.parameters();
+// The batch on the device of the parameters (a no-op when it is there).
+Batch OnDeviceOf(const std::vector<at::Tensor>& params, const Batch& batch) {
   if (params.empty() || !batch.inputs.defined() || batch.inputs.device() == params.front().device()) return batch;
   const at::Device device = params.front().device();
   return Batch{batch.inputs.to(device), batch.targets.to(device),
@@ -74,7 +73,8 @@ MetricMap RunTrainStep(TrainState& state, const Batch& host_batch, const ApplyFn
                        const StepOptions& options) {
   const auto start = std::chrono::steady_clock::now();
   if (!state.model || !state.optimizer) throw InvalidArgumentError("train step: the state has no model or optimizer");
-  const Batch batch = OnModelDevice(*state.model, host_batch);
+  const std::vector<at::Tensor> params = state.model->parameters();
+  const Batch batch = OnDeviceOf(params, host_batch);
   if (options.num_microbatches < 1) {
     throw InvalidArgumentError("train step: num_microbatches must be >= 1, got " +
                                std::to_string(options.num_microbatches));
@@ -146,7 +146,6 @@ MetricMap RunTrainStep(TrainState& state, const Batch& host_batch, const ApplyFn
   if (data_parallel != nullptr) data_parallel->AllReduceSum(stats);
   const auto* global = stats.data_ptr<double>();
 
-  const std::vector<at::Tensor> params = state.model->parameters();
   double grad_norm = 0.0;
   if (options.max_grad_norm > 0) {
     grad_norm = torch::nn::utils::clip_grad_norm_(params, options.max_grad_norm);
@@ -198,7 +197,7 @@ MetricMap MetricSums::Means() const {
 MetricSums RunEvalStep(torch::nn::Module& model, const Batch& host_batch, const ApplyFn& apply,
                        const MetricFn& metrics) {
   MetricSums out;
-  const Batch batch = OnModelDevice(model, host_batch);
+  const Batch batch = OnDeviceOf(model.parameters(), host_batch);
   const int64_t n = batch.size();
   if (n == 0) return out;
   at::NoGradGuard no_grad;

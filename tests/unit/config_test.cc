@@ -13,6 +13,7 @@
 
 #include "google/protobuf/util/message_differencer.h"
 #include "lockstep/config.h"
+#include "tests/testing/temp_dir.h"
 
 namespace lockstep {
 namespace {
@@ -123,12 +124,8 @@ Result RunTrainBinary(const std::string& args) {
 
 class TrainBinaryTest : public ::testing::Test {
  protected:
-  void SetUp() override {
-    std::string pattern = (std::filesystem::temp_directory_path() / "lockstep_train_test_XXXXXX").string();
-    dir_ = mkdtemp(pattern.data());
-  }
-  void TearDown() override { std::filesystem::remove_all(dir_); }
-  std::string dir_;
+  testing::TempDir temp_;
+  const std::string dir_ = temp_.path();
 };
 
 TEST_F(TrainBinaryTest, BadFlagsAndConfigsExitWithCode2) {

@@ -12,6 +12,7 @@
 
 #include "lockstep/data.h"
 #include "lockstep/errors.h"
+#include "tests/testing/temp_dir.h"
 #include "tests/testing/tiny_problem.h"
 
 namespace lockstep {
@@ -19,18 +20,7 @@ namespace {
 
 using ::testing::HasSubstr;
 
-class TempDir {
- public:
-  TempDir() {
-    std::string pattern = (std::filesystem::temp_directory_path() / "lockstep_data_test_XXXXXX").string();
-    path_ = mkdtemp(pattern.data());
-  }
-  ~TempDir() { std::filesystem::remove_all(path_); }
-  std::string file(const std::string& name) const { return path_ + "/" + name; }
-
- private:
-  std::string path_;
-};
+using testing::TempDir;
 
 std::string IdxBytes(uint8_t type, const std::vector<uint32_t>& shape, const std::string& body) {
   std::string bytes = {0, 0, static_cast<char>(type), static_cast<char>(shape.size())};

@@ -11,22 +11,12 @@
 #include "lockstep/errors.h"
 #include "lockstep/summary_writers.h"
 #include "proto/tensorboard.pb.h"
+#include "tests/testing/temp_dir.h"
 
 namespace lockstep {
 namespace {
 
-class TempDir {
- public:
-  TempDir() {
-    std::string pattern = (std::filesystem::temp_directory_path() / "lockstep_writers_XXXXXX").string();
-    path_ = mkdtemp(pattern.data());
-  }
-  ~TempDir() { std::filesystem::remove_all(path_); }
-  const std::string& path() const { return path_; }
-
- private:
-  std::string path_;
-};
+using testing::TempDir;
 
 std::string ReadFile(const std::string& path) {
   std::ifstream in(path, std::ios::binary);
