@@ -3,12 +3,16 @@
 # Our own code builds with -Wall -Wextra -Werror. Generated code does not take this.
 add_library(lockstep_warnings INTERFACE)
 target_compile_options(lockstep_warnings INTERFACE -Wall -Wextra -Werror)
+# Every target compiles with -pthread (gRPC asks for it), so that the precompiled
+# header below, built with it too, stays valid for all of them (_REENTRANT).
+target_compile_options(lockstep_warnings INTERFACE -pthread)
 
 # Headers that nearly every translation unit that touches libtorch includes. They
 # are compiled once into a precompiled header that the other targets reuse; this
 # is what keeps a clean build on two cores short.
 add_library(lockstep_pch OBJECT "${PROJECT_SOURCE_DIR}/cmake/pch.cc")
 target_link_libraries(lockstep_pch PUBLIC ${TORCH_LIBRARIES})
+target_compile_options(lockstep_pch PRIVATE -pthread)
 if(LOCKSTEP_USE_PCH)
   target_precompile_headers(lockstep_pch PUBLIC
     <ATen/ATen.h>

@@ -10,6 +10,10 @@
 # on each, and Open MPI installed everywhere. Each rank reads its rank, world size
 # and local rank from Open MPI's OMPI_COMM_WORLD_* variables; mpirun binds each rank
 # to its cores, and each rank runs one libtorch thread per core it is bound to.
+# The job token of the coordination service: LOCKSTEP_JOB_TOKEN if set, else 32
+# fresh random bytes, passed to the ranks. With --hosts, the service runs on the
+# first host at LOCKSTEP_COORDINATOR_PORT (default 29400; MASTER_ADDR/MASTER_PORT
+# are set from them); on one host rank 0 picks a free loopback port itself.
 # Environment passed through: MPIRUN_EXTRA_ARGS (extra mpirun flags).
 set -euo pipefail
 
@@ -20,7 +24,7 @@ while [[ $# -gt 0 ]]; do
     -n|--np) ranks=$2; shift 2 ;;
     --hosts) hosts=$2; shift 2 ;;
     --) shift; break ;;
-    -h|--help) sed -n '2,15p' "$0" | sed 's/^# \{0,1\}//'; exit 0 ;;
+    -h|--help) sed -n '2,19p' "$0" | sed 's/^# \{0,1\}//'; exit 0 ;;
     -*) echo "launch/mpirun.sh: unknown option $1 (see --help)" >&2; exit 2 ;;
     *) break ;;
   esac
@@ -39,6 +43,15 @@ fi
 # Every rank's stdout is a pseudo-terminal under mpirun; tell rank 0 what ours is.
 if [[ -t 1 ]]; then export LOCKSTEP_STDOUT_IS_TERMINAL=1; else export LOCKSTEP_STDOUT_IS_TERMINAL=0; fi
 args+=(-x LOCKSTEP_STDOUT_IS_TERMINAL)
+if [[ -z ${LOCKSTEP_JOB_TOKEN:-} ]]; then
+  LOCKSTEP_JOB_TOKEN=$(od -An -N32 -tx1 /dev/urandom | tr -d ' \n')
+  export LOCKSTEP_JOB_TOKEN
+fi
+args+=(-x LOCKSTEP_JOB_TOKEN)
+if [[ -n $hosts ]]; then
+  export MASTER_ADDR=${hosts%%[:,]*} MASTER_PORT=${LOCKSTEP_COORDINATOR_PORT:-29400}
+  args+=(-x MASTER_ADDR -x MASTER_PORT)
+fi
 # Shared-memory transfers through CMA are refused in many containers; plain copies work everywhere.
 export OMPI_MCA_btl_vader_single_copy_mechanism=${OMPI_MCA_btl_vader_single_copy_mechanism:-none}
 # shellcheck disable=SC2086

@@ -12,7 +12,7 @@
 // After a failure the communicator is broken: every later call fails at once
 // with the original reason.
 //
-//   HEALTHY --timeout or backend error--> BROKEN (every call throws)
+//   HEALTHY --timeout, backend error or Abort()--> BROKEN (every call throws)
 #ifndef LOCKSTEP_COMMUNICATOR_H_
 #define LOCKSTEP_COMMUNICATOR_H_
 
@@ -80,6 +80,11 @@ class Communicator {
   virtual std::shared_ptr<Work> BroadcastAsync(at::Tensor tensor, int root, const CollectiveOptions& options) = 0;
   // Completes once every rank has called it.
   virtual std::shared_ptr<Work> BarrierAsync(const CollectiveOptions& options) = 0;
+
+  // Safe from any thread (the coordination client's, when a peer died): the
+  // collective in progress, or the next one, fails with a CollectiveError that
+  // carries `reason`, and the communicator is broken. The first reason wins.
+  virtual void Abort(const std::string& reason) = 0;
 
   void AllReduce(at::Tensor tensor, ReduceOp op, const CollectiveOptions& options = {}) {
     AllReduceAsync(std::move(tensor), op, options)->Wait();

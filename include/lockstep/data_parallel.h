@@ -39,9 +39,16 @@ class Module;
 
 namespace lockstep {
 
+class CoordinationClient;
+
 struct DataParallelOptions {
   size_t bucket_bytes = size_t{25} << 20;
   CollectiveOptions collective;  // timeout of every collective the step issues
+  // When set, the start-up check goes through the coordination service's
+  // key-value store (keys "lockstep/startup/<name>/<rank>") instead of an
+  // all-gather; each DataParallel of a job needs its own name. Borrowed.
+  CoordinationClient* coordination = nullptr;
+  std::string name = "model";
 };
 
 class GradientBucketer {
@@ -73,7 +80,7 @@ class DataParallel {
   // Collective: every rank constructs it with the same model. `fingerprint`
   // names anything else that must agree (the resolved config, say).
   // Errors: InvalidArgumentError on every rank when models or fingerprints differ;
-  // CollectiveError from the communicator.
+  // CollectiveError from the communicator; CoordinationError from the service.
   DataParallel(Communicator* communicator, torch::nn::Module& model, const std::string& fingerprint,
                const DataParallelOptions& options = {});
 

@@ -4,6 +4,8 @@
 
 #include <string>
 
+#include "absl/synchronization/mutex.h"
+
 namespace lockstep {
 namespace {
 
@@ -20,6 +22,7 @@ class SingleProcessCommunicator final : public Communicator {
   std::string backend() const override { return "single_process"; }
 
   std::shared_ptr<Work> AllReduceAsync(at::Tensor tensor, ReduceOp op, const CollectiveOptions&) override {
+    CheckNotAborted();
     CheckCollectiveTensor(tensor, "all_reduce");
     if (op == ReduceOp::kAverage && !at::isFloatingType(tensor.scalar_type())) {
       throw InvalidArgumentError("all_reduce: average needs a floating-point tensor");
@@ -27,24 +30,41 @@ class SingleProcessCommunicator final : public Communicator {
     return Done();
   }
   std::shared_ptr<Work> AllGatherAsync(at::Tensor output, at::Tensor input, const CollectiveOptions&) override {
+    CheckNotAborted();
     CheckSizes(output, input, 1, "all_gather");
     output.view(-1).copy_(input.view(-1));
     return Done();
   }
   std::shared_ptr<Work> ReduceScatterAsync(at::Tensor output, at::Tensor input, ReduceOp,
                                            const CollectiveOptions&) override {
+    CheckNotAborted();
     CheckSizes(input, output, 1, "reduce_scatter");
     output.view(-1).copy_(input.view(-1));
     return Done();
   }
   std::shared_ptr<Work> BroadcastAsync(at::Tensor tensor, int root, const CollectiveOptions&) override {
+    CheckNotAborted();
     CheckCollectiveTensor(tensor, "broadcast");
     if (root != 0) throw InvalidArgumentError("broadcast: root " + std::to_string(root) + " outside a world of 1");
     return Done();
   }
-  std::shared_ptr<Work> BarrierAsync(const CollectiveOptions&) override { return Done(); }
+  std::shared_ptr<Work> BarrierAsync(const CollectiveOptions&) override {
+    CheckNotAborted();
+    return Done();
+  }
+  void Abort(const std::string& reason) override {
+    absl::MutexLock lock(&mu_);
+    if (aborted_.empty()) aborted_ = reason;
+  }
 
  private:
+  void CheckNotAborted() {
+    absl::MutexLock lock(&mu_);
+    if (!aborted_.empty()) throw CollectiveError("communicator was aborted: " + aborted_);
+  }
+  absl::Mutex mu_;
+  std::string aborted_ ABSL_GUARDED_BY(mu_);
+
   static std::shared_ptr<Work> Done() { return std::make_shared<CompletedWork>(); }
 };
 

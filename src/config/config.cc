@@ -221,6 +221,21 @@ absl::Status ValidateConfig(const config::TrainerConfig& c, int world_size) {
   check.Require(e.rtol() >= 0, "early_stopping.rtol", "must be >= 0", e.rtol());
   check.Require(c.collective_timeout_seconds() > 0, "collective_timeout_seconds", "must be > 0",
                 c.collective_timeout_seconds());
+  const auto& k = c.coordination();
+  check.Require(k.mode() == "auto" || k.mode() == "on" || k.mode() == "off", "coordination.mode",
+                "must be one of auto, on, off", k.mode());
+  check.Require(k.address().empty() || (k.address().rfind(':') != std::string::npos && k.address().rfind(':') > 0 &&
+                                        k.address().rfind(':') + 1 < k.address().size()),
+                "coordination.address", "must be host:port", k.address());
+  check.Require(k.port() > 0 && k.port() < 65536, "coordination.port", "must be in 1-65535", k.port());
+  check.Require(k.heartbeat_timeout_seconds() > 0 && std::isfinite(k.heartbeat_timeout_seconds()),
+                "coordination.heartbeat_timeout_seconds", "must be > 0", k.heartbeat_timeout_seconds());
+  check.Require(k.register_timeout_seconds() > 0 && std::isfinite(k.register_timeout_seconds()),
+                "coordination.register_timeout_seconds", "must be > 0", k.register_timeout_seconds());
+  check.Require(k.tls_cert_file().empty() == k.tls_key_file().empty(), "coordination.tls_key_file",
+                "must be given together with coordination.tls_cert_file", k.tls_key_file());
+  check.Require(!k.standalone() || k.mode() != "off", "coordination.standalone", "needs coordination.mode on or auto",
+                k.mode());
   return check.status();
 }
 

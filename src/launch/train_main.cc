@@ -6,17 +6,23 @@
 //
 // Exit codes: 0 done; 1 a failure while running (unreadable data, a libtorch
 // error); 2 a bad command line or config (the message names the flag or field);
-// 3 training diverged (the train loss became NaN or infinite; every rank stops).
+// 3 training diverged (the train loss became NaN or infinite; every rank stops);
+// 4 another rank failed or vanished, and this one stopped (the message names it).
 #include <torch/cuda.h>
 #include <torch/utils.h>
 
+#include <unistd.h>
+
+#include <atomic>
 #include <chrono>
 #include <cinttypes>
 #include <cstdio>
 #include <cstdlib>
+#include <cstring>
 #include <filesystem>
 #include <fstream>
 #include <string>
+#include <thread>
 #include <vector>
 
 #include "absl/flags/flag.h"
@@ -24,6 +30,7 @@
 #include "absl/flags/usage.h"
 #include "lockstep/communicator.h"
 #include "lockstep/config.h"
+#include "lockstep/coordination.h"
 #include "lockstep/data.h"
 #include "lockstep/errors.h"
 #include "lockstep/models.h"
@@ -42,6 +49,8 @@ ABSL_FLAG(std::string, config, "", "Path to a TrainerConfig in protobuf text for
 ABSL_FLAG(std::vector<std::string>, set, {},
           "Config overrides, field.path=value, comma-separated in one flag: "
           "--set=optimizer.learning_rate=0.01,num_train_steps=100");
+ABSL_FLAG(std::string, coordinator, "",
+          "host:port of the coordination service (overrides coordination.address)");
 
 namespace lockstep {
 namespace {
@@ -49,6 +58,8 @@ namespace {
 constexpr int kExitFailure = 1;
 constexpr int kExitUsage = 2;
 constexpr int kExitDiverged = 3;  // an action stopped training as a failure (NaN loss)
+constexpr int kExitPeerFailed = 4;  // another rank failed or vanished; this one stopped
+constexpr auto kStopGrace = std::chrono::seconds(3);  // then a rank that has not stopped exits anyway
 
 // absl::ParseCommandLine reports a bad flag and calls exit(1); during parsing this
 // handler turns that into our usage-error exit code. --help exits 0.
@@ -117,20 +128,171 @@ std::string ResolveDevice(const std::string& requested, const Runtime& runtime) 
   return requested;
 }
 
+// The communicator a coordination failure aborts (set once it exists).
+std::atomic<Communicator*> abort_target{nullptr};
+
+// On the coordination client's thread: a peer failed or the service is gone.
+// The collective in progress fails at once (the training thread then exits with
+// kExitPeerFailed); a training thread busy elsewhere gets kStopGrace to notice.
+void OnCoordinationEvent(int rank, const CoordinationEvent& event) {
+  if (event.kind != CoordinationEvent::Kind::kPeerFailed && event.kind != CoordinationEvent::Kind::kCoordinatorLost) {
+    return;
+  }
+  std::fprintf(stderr, "lockstep_train: rank %d: stopping: %s\n", rank, event.message.c_str());
+  if (Communicator* communicator = abort_target.load()) communicator->Abort(event.message);
+  std::thread([rank] {
+    std::this_thread::sleep_for(kStopGrace);
+    std::fprintf(stderr, "lockstep_train: rank %d: still running %lld s after a peer failed; exiting\n", rank,
+                 static_cast<long long>(kStopGrace.count()));
+    std::fflush(stdout);
+    _exit(kExitPeerFailed);
+  }).detach();
+}
+
+std::string JobId(const config::CoordinationConfig& c) {
+  if (!c.job_id().empty()) return c.job_id();
+  for (const char* name : {"LOCKSTEP_JOB_ID", "SLURM_JOB_ID"}) {
+    if (const char* value = std::getenv(name); value != nullptr && *value != '\0') return value;
+  }
+  return "lockstep";
+}
+
+// The coordination service (rank 0, unless standalone) and this rank's client.
+struct JobCoordination {
+  std::unique_ptr<CoordinationService> service;
+  std::unique_ptr<CoordinationClient> client;
+  std::string address;
+
+  // Orderly end: goodbye, then rank 0's service waits for the others' goodbyes.
+  void Finish(absl::Duration drain) {
+    if (client) (void)client->Goodbye();
+    if (service) service->Shutdown(drain);
+  }
+};
+
+// Rank 0 tells the others "address\ntoken" over MPI (only when no address is
+// configured: bare mpirun).
+std::string BroadcastText(Communicator& bootstrap, const std::string& text) {
+  constexpr int64_t kBytes = 4096;
+  at::Tensor buffer = at::zeros({kBytes}, at::kByte);
+  if (bootstrap.rank() == 0) {
+    if (static_cast<int64_t>(text.size()) >= kBytes) throw Error("coordination bootstrap message too long");
+    std::memcpy(buffer.data_ptr(), text.data(), text.size());
+  }
+  bootstrap.Broadcast(buffer, 0);
+  return std::string(static_cast<const char*>(buffer.data_ptr()));
+}
+
+// See CoordinationConfig. `bootstrap` (MPI) is used only when no address is set.
+JobCoordination StartCoordination(const config::CoordinationConfig& c, const std::string& flag_address,
+                                  const Runtime& runtime, Communicator* bootstrap) {
+  JobCoordination job;
+  if (c.mode() == "off" || (c.mode() == "auto" && runtime.world_size == 1)) return job;
+  absl::StatusOr<std::string> address =
+      ResolveCoordinatorAddress(flag_address.empty() ? c.address() : flag_address, c.port());
+  ThrowIfError(address.status(), "coordination address");
+  absl::StatusOr<std::string> token = ResolveJobToken(c.token_file());
+  ThrowIfError(token.status(), "coordination job token");
+
+  CoordinationServiceOptions service;
+  service.job_id = JobId(c);
+  service.world_size = runtime.world_size;
+  service.heartbeat_timeout = absl::Seconds(c.heartbeat_timeout_seconds());
+  service.bind_all = c.bind_all();
+  service.tls.cert_file = c.tls_cert_file();
+  service.tls.key_file = c.tls_key_file();
+  auto start_service = [&](const std::string& listen) {
+    service.address = listen;
+    absl::StatusOr<std::unique_ptr<CoordinationService>> started = CoordinationService::Start(service);
+    ThrowIfError(started.status(), "rank 0 starting the coordination service");
+    job.service = std::move(*started);
+  };
+
+  if (address->empty()) {
+    if (c.standalone()) {
+      throw InvalidArgumentError("coordination.standalone is set but no address is: set coordination.address, "
+                                 "--coordinator or MASTER_ADDR/MASTER_PORT");
+    }
+    if (runtime.world_size > 1 && bootstrap == nullptr) {
+      throw InvalidArgumentError("no coordination service address: set coordination.address, --coordinator or "
+                                 "MASTER_ADDR/MASTER_PORT (launch/mpirun.sh and launch/slurm.sbatch do)");
+    }
+    // Rank 0 picks a free port: on loopback when every rank is on its host.
+    std::string announcement;
+    if (runtime.is_chief()) {
+      const char* local_size = std::getenv("OMPI_COMM_WORLD_LOCAL_SIZE");
+      const bool all_local = runtime.world_size == 1 ||
+                             (local_size != nullptr && std::atoi(local_size) == runtime.world_size);
+      const std::string host = all_local ? "127.0.0.1" : runtime.host;
+      if (token->empty()) *token = GenerateJobToken();
+      service.token = *token;
+      start_service(host + ":0");
+      announcement = absl::StrCat(host, ":", job.service->port(), "\n", *token);
+    }
+    if (bootstrap != nullptr) announcement = BroadcastText(*bootstrap, announcement);
+    const size_t newline = announcement.find('\n');
+    *address = announcement.substr(0, newline);
+    *token = announcement.substr(newline + 1);
+  } else {
+    if (token->empty()) {
+      throw InvalidArgumentError("the coordination service needs a job token: set LOCKSTEP_JOB_TOKEN "
+                                 "(launch/mpirun.sh does), LOCKSTEP_JOB_TOKEN_FILE or coordination.token_file");
+    }
+    service.token = *token;
+    if (runtime.is_chief() && !c.standalone()) start_service(*address);
+  }
+
+  CoordinationClientOptions client;
+  client.address = *address;
+  client.job_id = service.job_id;
+  client.token = *token;
+  client.rank = runtime.rank;
+  client.world_size = runtime.world_size;
+  client.host = runtime.host;
+  client.heartbeat_timeout = service.heartbeat_timeout;
+  client.register_timeout = absl::Seconds(c.register_timeout_seconds());
+  client.tls.ca_file = c.tls_ca_file();
+  if (client.tls.ca_file.empty() && !c.tls_cert_file().empty()) client.tls.ca_file = c.tls_cert_file();
+  client.service_owner = c.standalone() ? "lockstep_coordinator" : "hosted by rank 0";
+  const int rank = runtime.rank;
+  client.on_event = [rank](const CoordinationEvent& event) { OnCoordinationEvent(rank, event); };
+  absl::StatusOr<std::unique_ptr<CoordinationClient>> connected = CoordinationClient::Connect(client);
+  ThrowIfError(connected.status(), absl::StrCat("rank ", rank, " joining the job at ", *address));
+  job.client = std::move(*connected);
+  job.address = *address;
+  return job;
+}
+
 // The communicator for a world of more than one rank; null for a world of one.
+// `mpi` is the MPI communicator made earlier (for the coordination bootstrap) or null.
 std::unique_ptr<Communicator> MakeCommunicator(const std::string& requested, const std::string& device,
-                                               const Runtime& runtime) {
+                                               const Runtime& runtime, std::unique_ptr<Communicator> mpi,
+                                               CoordinationClient* coordination, absl::Duration timeout) {
   const bool on_gpu = device.rfind("cuda", 0) == 0;
   const std::string backend = requested == "auto" ? (on_gpu ? "nccl" : "mpi") : requested;
   if (runtime.world_size == 1 && requested != "nccl") return nullptr;
   if (backend == "nccl") {
-    // The unique id travels over MPI; a world of one needs no bootstrap peer.
-    std::unique_ptr<Communicator> bootstrap =
-        runtime.world_size == 1 ? MakeSingleProcessCommunicator() : MakeCommunicator("mpi", "cpu", runtime);
-    std::unique_ptr<Communicator> nccl = MakeNcclCommunicator(*bootstrap, runtime.local_rank);
+    NcclIdExchange exchange;
+    if (coordination != nullptr) {
+      exchange = NcclIdOverCoordination(*coordination, "default", timeout);
+    } else if (runtime.world_size == 1) {
+      exchange.publish = [](const std::string&) {};
+    } else {
+      throw InvalidArgumentError("backend 'nccl' exchanges its unique id through the coordination service; "
+                                 "coordination.mode must not be 'off'");
+    }
+    std::unique_ptr<Communicator> nccl = MakeNcclCommunicator(exchange, runtime.local_rank);
     if (!on_gpu) throw Error("backend 'nccl' needs the model on a CUDA device, not " + device);
     return nccl;
   }
+  if (mpi) return mpi;
+  throw Error("rank " + std::to_string(runtime.rank) + " of " + std::to_string(runtime.world_size) +
+              ": this build has no MPI backend (configure with Open MPI installed)");
+}
+
+// MPI for a world of more than one rank, when this build has it; null otherwise.
+std::unique_ptr<Communicator> MaybeMakeMpi(const Runtime& runtime) {
+  if (runtime.world_size == 1) return nullptr;
 #if LOCKSTEP_HAVE_MPI
   std::unique_ptr<Communicator> comm = MakeMpiCommunicator();
   if (comm->rank() != runtime.rank || comm->world_size() != runtime.world_size) {
@@ -140,8 +302,7 @@ std::unique_ptr<Communicator> MakeCommunicator(const std::string& requested, con
   }
   return comm;
 #else
-  throw Error("rank " + std::to_string(runtime.rank) + " of " + std::to_string(runtime.world_size) +
-              ": this build has no MPI backend (configure with Open MPI installed)");
+  return nullptr;
 #endif
 }
 
@@ -151,6 +312,10 @@ bool UseProgressBar(const std::string& progress, const Runtime& runtime) {
   if (const char* told = std::getenv("LOCKSTEP_STDOUT_IS_TERMINAL")) return std::string(told) == "1";
   return runtime.launcher != "mpirun" && IsTerminal(stdout);
 }
+
+int Train(const config::TrainerConfig& cfg, const Runtime& runtime, const std::string& device,
+          Communicator* communicator, CoordinationClient* coordination, const std::filesystem::path& output_dir,
+          int threads, std::chrono::steady_clock::time_point run_start);
 
 int Run(const config::TrainerConfig& cfg, const Runtime& runtime) {
   const auto run_start = std::chrono::steady_clock::now();
@@ -162,7 +327,49 @@ int Run(const config::TrainerConfig& cfg, const Runtime& runtime) {
   }
 
   const std::string device = ResolveDevice(cfg.device(), runtime);
-  std::unique_ptr<Communicator> communicator = MakeCommunicator(cfg.backend(), device, runtime);
+  std::unique_ptr<Communicator> mpi = MaybeMakeMpi(runtime);
+  JobCoordination coordination =
+      StartCoordination(cfg.coordination(), absl::GetFlag(FLAGS_coordinator), runtime, mpi.get());
+  const absl::Duration collective_timeout = absl::Seconds(cfg.collective_timeout_seconds());
+  std::unique_ptr<Communicator> communicator = MakeCommunicator(cfg.backend(), device, runtime, std::move(mpi),
+                                                                coordination.client.get(), collective_timeout);
+  abort_target = communicator.get();
+  if (runtime.is_chief() && coordination.client) {
+    std::printf("Coordination: job '%s' at %s (%s), heartbeat timeout %.1f s\n", JobId(cfg.coordination()).c_str(),
+                coordination.address.c_str(), coordination.service ? "hosted by rank 0" : "standalone",
+                cfg.coordination().heartbeat_timeout_seconds());
+  }
+  try {
+    const int code = Train(cfg, runtime, device, communicator.get(), coordination.client.get(), output_dir, threads,
+                           run_start);
+    // Every rank waits here until rank 0 has drained its metrics writers, so that
+    // when any rank's process ends the output files are complete.
+    if (coordination.client) {
+      ThrowIfError(coordination.client->Barrier("lockstep/metrics_closed", collective_timeout),
+                   "waiting for the other ranks at the end");
+    }
+    abort_target = nullptr;
+    coordination.Finish(absl::Seconds(60));
+    return code;
+  } catch (const std::exception& e) {
+    abort_target = nullptr;
+    if (coordination.client) {
+      if (std::optional<CoordinationEvent> failure = coordination.client->failure()) {
+        std::fprintf(stderr, "lockstep_train: rank %d: stopped: %s\n", runtime.rank, failure->message.c_str());
+        coordination.Finish(absl::Seconds(2));
+        return kExitPeerFailed;
+      }
+      // This rank's own failure: the others learn it at once, not after a timeout.
+      (void)coordination.client->ReportError(e.what());
+      coordination.Finish(absl::Seconds(2));
+    }
+    throw;
+  }
+}
+
+int Train(const config::TrainerConfig& cfg, const Runtime& runtime, const std::string& device,
+          Communicator* communicator, CoordinationClient* coordination, const std::filesystem::path& output_dir,
+          int threads, std::chrono::steady_clock::time_point run_start) {
   const Datasets data = LoadData(cfg);
   if (runtime.is_chief()) {
     std::printf("lockstep_train: %d rank(s) via %s, %s backend, device %s, %d threads per rank; data: %s (%" PRId64
@@ -192,7 +399,8 @@ int Run(const config::TrainerConfig& cfg, const Runtime& runtime) {
   options.step.schedule = ToLrSchedule(cfg);
   options.step.weight_metrics = cfg.weight_metrics();
   options.summary_every_steps = cfg.summary_every_steps();
-  options.communicator = communicator.get();
+  options.communicator = communicator;
+  options.data_parallel.coordination = coordination;
   options.data_parallel.bucket_bytes = static_cast<size_t>(cfg.bucket_mb() * (1 << 20));
   options.data_parallel.collective.timeout =
       std::chrono::milliseconds(static_cast<int64_t>(cfg.collective_timeout_seconds() * 1000));
@@ -251,6 +459,7 @@ int Run(const config::TrainerConfig& cfg, const Runtime& runtime) {
   while (state.step < total) {
     const int64_t chunk = std::min(period - state.step % period, total - state.step);
     trainer.Train(train_data, chunk);
+    if (coordination) coordination->SetStep(state.step);
     test = evaluate();
     if (trainer.halt().halt) break;
   }
@@ -271,6 +480,9 @@ int Run(const config::TrainerConfig& cfg, const Runtime& runtime) {
 
 int main(int argc, char** argv) {
   using namespace lockstep;
+  // Summary lines reach a log file (sbatch, mpirun --output-filename) as they are
+  // printed, not in 4 KiB blocks.
+  std::setvbuf(stdout, nullptr, _IOLBF, 0);
   absl::SetProgramUsageMessage("Trains a model from a TrainerConfig. Usage: lockstep_train --config=FILE [--set=a.b=v]");
   // absl keeps only the last of repeated flags; silently dropping overrides would
   // train the wrong model, so a repeated --set is refused.

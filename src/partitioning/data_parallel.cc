@@ -9,7 +9,12 @@
 
 #include <sstream>
 
+#include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
+#include "absl/strings/str_join.h"
+#include "absl/strings/str_split.h"
+#include "absl/time/time.h"
+#include "lockstep/coordination.h"
 
 namespace lockstep {
 
@@ -222,11 +227,32 @@ DataParallel::DataParallel(Communicator* communicator, torch::nn::Module& model,
   const std::string shapes = Describe(model);
   int64_t weights = 0;
   for (const at::Tensor& p : model.parameters()) weights += p.numel();
-  const at::Tensor mine = at::tensor({static_cast<int64_t>(StableHash(shapes)), static_cast<int64_t>(StableHash(fingerprint)),
-                                      static_cast<int64_t>(model.parameters().size()), weights},
-                                     at::kLong);
+  const std::vector<int64_t> mine = {static_cast<int64_t>(StableHash(shapes)),
+                                     static_cast<int64_t>(StableHash(fingerprint)),
+                                     static_cast<int64_t>(model.parameters().size()), weights};
   at::Tensor all = at::zeros({4 * world_size()}, at::kLong);
-  communicator_->AllGather(all, mine, options_.collective);
+  if (options_.coordination != nullptr) {
+    // Through the key-value store: each rank publishes its four numbers, then
+    // reads everyone's.
+    CoordinationClient& kv = *options_.coordination;
+    const std::string prefix = absl::StrCat("lockstep/startup/", options_.name, "/");
+    ThrowIfError(kv.Set(absl::StrCat(prefix, rank()), absl::StrJoin(mine, " ")), "data-parallel start-up check");
+    const absl::Duration timeout = absl::FromChrono(options_.collective.timeout);
+    for (int r = 0; r < world_size(); ++r) {
+      absl::StatusOr<std::string> theirs = kv.Get(absl::StrCat(prefix, r), timeout);
+      ThrowIfError(theirs.status(), absl::StrCat("data-parallel start-up check, waiting for rank ", r));
+      std::vector<std::string> fields = absl::StrSplit(*theirs, ' ');
+      for (int i = 0; i < 4; ++i) {
+        int64_t value = 0;
+        if (fields.size() != 4 || !absl::SimpleAtoi(fields[i], &value)) {
+          throw CoordinationError(absl::StrCat("data-parallel start-up check: rank ", r, " published '", *theirs, "'"));
+        }
+        all.data_ptr<int64_t>()[4 * r + i] = value;
+      }
+    }
+  } else {
+    communicator_->AllGather(all, at::tensor(mine, at::kLong), options_.collective);
+  }
   const auto* v = all.data_ptr<int64_t>();
   std::string problems;
   for (int r = 1; r < world_size(); ++r) {

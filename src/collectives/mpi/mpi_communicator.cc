@@ -271,6 +271,7 @@ class MpiCommunicator final : public Communicator {
     auto work = std::make_shared<MpiWork>(std::move(what), Clock::now() + options.timeout, options.timeout);
     absl::MutexLock lock(&mu_);
     if (!broken_reason_.empty()) throw CollectiveError("MPI communicator is broken: " + broken_reason_);
+    if (!abort_reason_.empty()) throw CollectiveError("MPI communicator was aborted: " + abort_reason_);
     queue_.push_back(Task{work, std::move(run)});
     return work;
   }
@@ -308,13 +309,26 @@ class MpiCommunicator final : public Communicator {
     }
   }
 
+  void Abort(const std::string& reason) override {
+    {
+      absl::MutexLock lock(&mu_);
+      if (abort_reason_.empty()) abort_reason_ = reason;
+    }
+    aborted_.store(true, std::memory_order_release);
+  }
+
   void Break(const std::string& reason) {
     mpi_failed = true;
     absl::MutexLock lock(&mu_);
     if (broken_reason_.empty()) broken_reason_ = reason;
   }
 
-  // Tests the requests until all complete, or throws at the deadline.
+  [[noreturn]] void ThrowAborted() {
+    absl::MutexLock lock(&mu_);
+    throw CollectiveError("aborted: " + abort_reason_);
+  }
+
+  // Tests the requests until all complete, or throws at the deadline or on Abort.
   // Open MPI progresses non-blocking collectives only inside MPI calls, so the
   // worker polls: it spins for the first millisecond (a peer's message usually
   // arrives within it), then sleeps between polls so the cores stay with compute.
@@ -326,6 +340,7 @@ class MpiCommunicator final : public Communicator {
       if (flag) return;
       const Clock::time_point now = Clock::now();
       if (now > deadline) throw CollectiveTimeoutError("deadline passed");
+      if (aborted_.load(std::memory_order_acquire)) ThrowAborted();
       if (now > spin_until) std::this_thread::sleep_for(std::chrono::microseconds(20));
     }
   }
@@ -368,6 +383,8 @@ class MpiCommunicator final : public Communicator {
   std::deque<Task> queue_ ABSL_GUARDED_BY(mu_);
   bool stopping_ ABSL_GUARDED_BY(mu_) = false;
   std::string broken_reason_;  // written under mu_; read after join in the destructor
+  std::string abort_reason_ ABSL_GUARDED_BY(mu_);
+  std::atomic<bool> aborted_{false};
 
   std::thread worker_;
 };

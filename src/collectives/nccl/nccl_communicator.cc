@@ -10,6 +10,7 @@
 #include <thread>
 
 #include "absl/strings/str_cat.h"
+#include "absl/synchronization/mutex.h"
 
 // Every CUDA and NCCL return code passes here: the call, where, and the library's
 // own message.
@@ -81,26 +82,33 @@ class NcclWork final : public Work {
 
 class NcclCommunicator final : public Communicator {
  public:
-  NcclCommunicator(Communicator& bootstrap, int device) : device_(device) {
+  NcclCommunicator(const NcclIdExchange& exchange, int device) : device_(device) {
     int count = 0;
     const cudaError_t rc = cudaGetDeviceCount(&count);
     if (rc != cudaSuccess || count == 0) {
-      throw CollectiveError(absl::StrCat("NCCL backend: no CUDA device on rank ", bootstrap.rank(), " (",
+      throw CollectiveError(absl::StrCat("NCCL backend: no CUDA device on rank ", exchange.rank, " (",
                                          rc == cudaSuccess ? "none found" : cudaGetErrorString(rc),
                                          "); use the MPI backend for CPU training"));
     }
     if (device < 0 || device >= count) {
-      throw CollectiveError(absl::StrCat("NCCL backend: rank ", bootstrap.rank(), " asks for CUDA device ", device,
+      throw CollectiveError(absl::StrCat("NCCL backend: rank ", exchange.rank, " asks for CUDA device ", device,
                                          " but this host has ", count));
     }
-    rank_ = bootstrap.rank();
-    world_size_ = bootstrap.world_size();
+    rank_ = exchange.rank;
+    world_size_ = exchange.world_size;
     ncclUniqueId id;
     std::memset(&id, 0, sizeof(id));
-    if (rank_ == 0) LOCKSTEP_NCCL_CHECK(ncclGetUniqueId(&id));
-    at::Tensor id_bytes = at::from_blob(&id, {static_cast<int64_t>(sizeof(id))}, at::kByte).clone();
-    bootstrap.Broadcast(id_bytes, 0);
-    std::memcpy(&id, id_bytes.data_ptr(), sizeof(id));
+    if (rank_ == 0) {
+      LOCKSTEP_NCCL_CHECK(ncclGetUniqueId(&id));
+      exchange.publish(std::string(reinterpret_cast<const char*>(&id), sizeof(id)));
+    } else {
+      const std::string bytes = exchange.fetch();
+      if (bytes.size() != sizeof(id)) {
+        throw CollectiveError(absl::StrCat("NCCL backend: rank ", rank_, " fetched a unique id of ", bytes.size(),
+                                           " bytes; NCCL's has ", sizeof(id)));
+      }
+      std::memcpy(&id, bytes.data(), sizeof(id));
+    }
     LOCKSTEP_CUDA_CHECK(cudaSetDevice(device_));
     LOCKSTEP_CUDA_CHECK(cudaStreamCreateWithFlags(&stream_, cudaStreamNonBlocking));
     LOCKSTEP_NCCL_CHECK(ncclCommInitRank(&comm_, world_size_, id, rank_));
@@ -158,6 +166,17 @@ class NcclCommunicator final : public Communicator {
     return AllReduceAsync(barrier_buffer_, ReduceOp::kSum, options);
   }
 
+  // From any thread: the next poll of a Work (on the thread that waits) breaks the
+  // communicator with `reason`.
+  void Abort(const std::string& reason) override {
+    absl::MutexLock lock(&abort_mu_);
+    if (abort_reason_.empty()) abort_reason_ = reason;
+  }
+  std::string AbortReason() {
+    absl::MutexLock lock(&abort_mu_);
+    return abort_reason_;
+  }
+
   // Called by NcclWork when it gives up: NCCL kernels that wait for a dead peer
   // never finish, so the communicator is aborted and marked broken.
   void Break(const std::string& reason) {
@@ -186,6 +205,9 @@ class NcclCommunicator final : public Communicator {
     }
     NcclType(tensor.scalar_type());
     if (!broken_.empty()) throw CollectiveError("NCCL communicator is broken: " + broken_);
+    if (const std::string aborted = const_cast<NcclCommunicator*>(this)->AbortReason(); !aborted.empty()) {
+      throw CollectiveError("NCCL communicator was aborted: " + aborted);
+    }
   }
 
   template <typename Issue>
@@ -214,6 +236,8 @@ class NcclCommunicator final : public Communicator {
   cudaStream_t stream_ = nullptr;
   at::Tensor barrier_buffer_;
   std::string broken_;
+  absl::Mutex abort_mu_;
+  std::string abort_reason_ ABSL_GUARDED_BY(abort_mu_);
 };
 
 void NcclWork::Wait() {
@@ -222,6 +246,10 @@ void NcclWork::Wait() {
     if (state == cudaSuccess) return;
     if (state != cudaErrorNotReady) {
       throw CollectiveError(absl::StrCat(what_, " failed: ", cudaGetErrorString(state)));
+    }
+    if (const std::string aborted = owner_->AbortReason(); !aborted.empty()) {
+      owner_->Break(aborted);
+      throw CollectiveError(absl::StrCat(what_, " aborted: ", aborted));
     }
     const std::string async = owner_->AsyncError();
     if (!async.empty()) {
@@ -240,8 +268,8 @@ void NcclWork::Wait() {
 
 }  // namespace
 
-std::unique_ptr<Communicator> MakeNcclCommunicator(Communicator& bootstrap, int device) {
-  return std::make_unique<NcclCommunicator>(bootstrap, device);
+std::unique_ptr<Communicator> MakeNcclCommunicator(const NcclIdExchange& exchange, int device) {
+  return std::make_unique<NcclCommunicator>(exchange, device);
 }
 
 bool HaveNccl() { return true; }

@@ -3,8 +3,8 @@
 
 namespace lockstep {
 
-std::unique_ptr<Communicator> MakeNcclCommunicator(Communicator& bootstrap, int) {
-  throw CollectiveError("rank " + std::to_string(bootstrap.rank()) +
+std::unique_ptr<Communicator> MakeNcclCommunicator(const NcclIdExchange& exchange, int) {
+  throw CollectiveError("rank " + std::to_string(exchange.rank) +
                         ": this build has no NCCL backend (configure where the CUDA toolkit and NCCL are found)");
 }
 
