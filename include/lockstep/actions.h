@@ -27,6 +27,10 @@ class Action {
   virtual ~Action() = default;
   // Sees every summary (train periods and each eval set) in order.
   virtual HaltDecision OnSummary(const Summary& summary) = 0;
+  // What a resumed run needs to decide as this one would (checkpoints); stateless
+  // actions keep the defaults.
+  virtual std::string SaveState() const { return ""; }
+  virtual void RestoreState(const std::string& /*state*/) {}
 };
 
 // Stops when `metric` of `task` has not improved for `patience` consecutive
@@ -39,6 +43,8 @@ class EarlyStoppingAction : public Action {
   EarlyStoppingAction(std::string task, std::string metric, Mode mode, int patience, double atol = 0.0,
                       double rtol = 0.0);
   HaltDecision OnSummary(const Summary& summary) override;
+  std::string SaveState() const override;
+  void RestoreState(const std::string& state) override;
 
  private:
   const std::string task_;

@@ -42,6 +42,12 @@ absl::StatusOr<config::TrainerConfig> BuildConfig(const std::string& path, const
 
 // The config as text format, every field written (defaults included).
 std::string ConfigToText(const config::TrainerConfig& config);
+// The part of a config that a resumed run must share with the checkpoint: all of
+// it but where and how long it runs, how it reports, how ranks talk and how it
+// checkpoints (output_dir, num_train_steps, eval and summary periods, progress,
+// weight metrics, threads, backend, device, buckets, timeouts, coordination,
+// checkpoint).
+std::string ResumeRelevantConfigText(const config::TrainerConfig& config);
 
 OptimizerOptions ToOptimizerOptions(const config::OptimizerConfig& config);
 LrSchedule ToLrSchedule(const config::TrainerConfig& config);

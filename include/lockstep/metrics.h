@@ -60,6 +60,10 @@ class MetricsAccumulator {
   bool empty() const { return steps_ == 0; }
   // The period's summary metrics; then starts a new period.
   MetricMap Flush();
+  // The unfinished period, exactly (hex floats), for checkpoints; RestoreState
+  // throws InvalidArgumentError on text SaveState did not write.
+  std::string SaveState() const;
+  void RestoreState(const std::string& text);
 
  private:
   int64_t steps_ = 0;

@@ -18,6 +18,7 @@
 #define LOCKSTEP_TRAINER_H_
 
 #include <cstdint>
+#include <functional>
 #include <memory>
 #include <optional>
 #include <string>
@@ -66,6 +67,18 @@ class BaseTrainer {
   const HaltDecision& halt() const { return halt_; }
   void set_summary_every_steps(int64_t steps);
 
+  // Called after every train step with the new state.step; returning true stops
+  // Train at once, keeping the unfinished summary period for the next Train (or a
+  // checkpoint) instead of summarising it. The preemption path uses it.
+  void set_stop_check(std::function<bool(int64_t step)> check) { stop_check_ = std::move(check); }
+  // Whether the last Train call ended through the stop check.
+  bool stopped_by_check() const { return stopped_by_check_; }
+  // The unfinished summary period and the actions' state, for checkpoints, so that
+  // a resumed run prints and decides exactly as an uninterrupted one.
+  // RestoreTrainerState throws InvalidArgumentError on text it did not write.
+  std::string SaveTrainerState() const;
+  void RestoreTrainerState(const std::string& state);
+
   TrainState& state() { return state_; }
   const Runtime& runtime() const { return runtime_; }
 
@@ -91,6 +104,9 @@ class BaseTrainer {
   std::vector<SummarySink> sinks_;
   std::vector<std::unique_ptr<Action>> actions_;
   HaltDecision halt_;
+  MetricsAccumulator period_;  // the train summary period in progress
+  std::function<bool(int64_t)> stop_check_;
+  bool stopped_by_check_ = false;
 };
 
 struct TrainerOptions {

@@ -159,6 +159,17 @@ void ResolveDerivedFields(config::TrainerConfig* cfg) {
   }
 }
 
+std::string ResumeRelevantConfigText(const config::TrainerConfig& config) {
+  config::TrainerConfig c = config;
+  for (const char* field : {"output_dir", "num_train_steps", "eval_every_steps", "summary_every_steps", "progress",
+                            "weight_metrics", "num_threads", "backend", "device", "bucket_mb",
+                            "collective_timeout_seconds", "coordination", "checkpoint"}) {
+    const pb::FieldDescriptor* descriptor = c.GetDescriptor()->FindFieldByName(field);
+    if (descriptor != nullptr) c.GetReflection()->ClearField(&c, descriptor);
+  }
+  return ConfigToText(c);
+}
+
 absl::Status ValidateConfig(const config::TrainerConfig& c, int world_size) {
   Checker check;
   const auto& m = c.model();
@@ -236,6 +247,14 @@ absl::Status ValidateConfig(const config::TrainerConfig& c, int world_size) {
                 "must be given together with coordination.tls_cert_file", k.tls_key_file());
   check.Require(!k.standalone() || k.mode() != "off", "coordination.standalone", "needs coordination.mode on or auto",
                 k.mode());
+  const auto& ck = c.checkpoint();
+  check.Require(ck.every_steps() >= 0, "checkpoint.every_steps", "must be >= 0", ck.every_steps());
+  check.Require(ck.keep_last() >= 1, "checkpoint.keep_last", "must be >= 1", ck.keep_last());
+  check.Require(ck.keep_best() >= 0, "checkpoint.keep_best", "must be >= 0", ck.keep_best());
+  check.Require(ck.best_mode() == "min" || ck.best_mode() == "max", "checkpoint.best_mode", "must be min or max",
+                ck.best_mode());
+  check.Require(ck.best_metric().find('/') != std::string::npos, "checkpoint.best_metric",
+                "must be task/metric, e.g. test/accuracy", ck.best_metric());
   return check.status();
 }
 

@@ -7,10 +7,13 @@
 // Exit codes: 0 done; 1 a failure while running (unreadable data, a libtorch
 // error); 2 a bad command line or config (the message names the flag or field);
 // 3 training diverged (the train loss became NaN or infinite; every rank stops);
-// 4 another rank failed or vanished, and this one stopped (the message names it).
+// 4 another rank failed or vanished, and this one stopped (the message names it);
+// 75 preempted: SIGTERM or SIGUSR1 arrived, every rank saved an emergency
+// checkpoint at the same step, and the next start resumes from it (requeue me).
 #include <torch/cuda.h>
 #include <torch/utils.h>
 
+#include <signal.h>
 #include <unistd.h>
 
 #include <atomic>
@@ -28,6 +31,7 @@
 #include "absl/flags/flag.h"
 #include "absl/flags/parse.h"
 #include "absl/flags/usage.h"
+#include "lockstep/checkpoint.h"
 #include "lockstep/communicator.h"
 #include "lockstep/config.h"
 #include "lockstep/coordination.h"
@@ -49,6 +53,9 @@ ABSL_FLAG(std::string, config, "", "Path to a TrainerConfig in protobuf text for
 ABSL_FLAG(std::vector<std::string>, set, {},
           "Config overrides, field.path=value, comma-separated in one flag: "
           "--set=optimizer.learning_rate=0.01,num_train_steps=100");
+ABSL_FLAG(std::string, resume, "auto",
+          "auto: continue from the newest valid checkpoint in checkpoint.dir, if any; none: start afresh; "
+          "or the path of one step directory");
 ABSL_FLAG(std::string, coordinator, "",
           "host:port of the coordination service (overrides coordination.address)");
 
@@ -59,6 +66,7 @@ constexpr int kExitFailure = 1;
 constexpr int kExitUsage = 2;
 constexpr int kExitDiverged = 3;  // an action stopped training as a failure (NaN loss)
 constexpr int kExitPeerFailed = 4;  // another rank failed or vanished; this one stopped
+constexpr int kExitPreempted = 75;  // EX_TEMPFAIL: saved an emergency checkpoint; run again to resume
 constexpr auto kStopGrace = std::chrono::seconds(3);  // then a rank that has not stopped exits anyway
 
 // absl::ParseCommandLine reports a bad flag and calls exit(1); during parsing this
@@ -128,6 +136,25 @@ std::string ResolveDevice(const std::string& requested, const Runtime& runtime) 
   return requested;
 }
 
+// The preemption signal that arrived (SIGTERM, SIGUSR1), 0 for none. Written by
+// the signal handler (a lock-free atomic store is async-signal-safe), read by the
+// training thread after every step.
+std::atomic<int> preemption_signal{0};
+// A peer's preemption notice arrived through the coordination service.
+std::atomic<bool> preemption_notice{false};
+static_assert(std::atomic<int>::is_always_lock_free);
+
+extern "C" void OnPreemptionSignal(int signal) { preemption_signal.store(signal); }
+
+void InstallPreemptionHandlers() {
+  struct sigaction action {};
+  action.sa_handler = OnPreemptionSignal;
+  sigemptyset(&action.sa_mask);
+  action.sa_flags = SA_RESTART;
+  sigaction(SIGTERM, &action, nullptr);
+  sigaction(SIGUSR1, &action, nullptr);
+}
+
 // The communicator a coordination failure aborts (set once it exists).
 std::atomic<Communicator*> abort_target{nullptr};
 
@@ -135,6 +162,10 @@ std::atomic<Communicator*> abort_target{nullptr};
 // The collective in progress fails at once (the training thread then exits with
 // kExitPeerFailed); a training thread busy elsewhere gets kStopGrace to notice.
 void OnCoordinationEvent(int rank, const CoordinationEvent& event) {
+  if (event.kind == CoordinationEvent::Kind::kPreemptionNotice) {
+    preemption_notice.store(true);
+    return;
+  }
   if (event.kind != CoordinationEvent::Kind::kPeerFailed && event.kind != CoordinationEvent::Kind::kCoordinatorLost) {
     return;
   }
@@ -367,6 +398,40 @@ int Run(const config::TrainerConfig& cfg, const Runtime& runtime) {
   }
 }
 
+// --resume: rank 0 picks the checkpoint (the newest valid one for "auto") and
+// tells the others through the key-value store, so that every rank loads the same.
+void ResumeIfAsked(const CheckpointManager& checkpoints, TrainState& state, ShardedBatchIterator& train_data,
+                   BaseTrainer& trainer, const Runtime& runtime, CoordinationClient* coordination) {
+  const std::string resume = absl::GetFlag(FLAGS_resume);
+  if (resume == "none") return;
+  std::string path;
+  if (runtime.is_chief()) {
+    if (resume == "auto") {
+      std::vector<std::string> skipped;
+      std::optional<FoundCheckpoint> found = CheckpointManager::FindLatest(checkpoints.options().directory, &skipped);
+      for (const std::string& why : skipped) std::fprintf(stderr, "lockstep_train: skipping checkpoint %s\n", why.c_str());
+      if (found) path = found->path;
+    } else {
+      path = CheckpointManager::Validate(resume).path;  // throws naming the file and the reason
+    }
+  }
+  if (coordination != nullptr && runtime.world_size > 1) {
+    if (runtime.is_chief()) ThrowIfError(coordination->Set("lockstep/resume/path", path), "sharing the resume path");
+    absl::StatusOr<std::string> shared = coordination->Get("lockstep/resume/path", absl::Minutes(10));
+    ThrowIfError(shared.status(), "waiting for rank 0 to choose the checkpoint");
+    path = *shared;
+  }
+  if (path.empty()) return;
+  const FoundCheckpoint found = CheckpointManager::ReadManifestOnly(path);
+  const ShardExtras extras = checkpoints.Restore(found, state);
+  train_data.Restore(extras.data);
+  trainer.RestoreTrainerState(extras.trainer_state);
+  if (runtime.is_chief()) {
+    std::printf("Resumed from %s: step %" PRId64 ", written by %d rank(s)\n", path.c_str(), state.step,
+                found.world_size);
+  }
+}
+
 int Train(const config::TrainerConfig& cfg, const Runtime& runtime, const std::string& device,
           Communicator* communicator, CoordinationClient* coordination, const std::filesystem::path& output_dir,
           int threads, std::chrono::steady_clock::time_point run_start) {
@@ -453,25 +518,109 @@ int Train(const config::TrainerConfig& cfg, const Runtime& runtime, const std::s
     return trainer.Eval({{"test", &test_data}}).front().second;
   };
 
+  // Checkpoints: resume, regular saves, the final one, and the emergency one.
+  CheckpointOptions checkpoint_options;
+  checkpoint_options.directory =
+      cfg.checkpoint().dir().empty() ? (output_dir / "checkpoints").string() : cfg.checkpoint().dir();
+  checkpoint_options.every_steps = cfg.checkpoint().every_steps();
+  checkpoint_options.keep_last = cfg.checkpoint().keep_last();
+  checkpoint_options.keep_best = cfg.checkpoint().keep_best();
+  checkpoint_options.best_metric = cfg.checkpoint().best_metric();
+  checkpoint_options.best_max = cfg.checkpoint().best_mode() == "max";
+  checkpoint_options.async = cfg.checkpoint().async();
+  checkpoint_options.config_text = ResumeRelevantConfigText(cfg);
+  checkpoint_options.config_fingerprint = StableHash(checkpoint_options.config_text);
+  checkpoint_options.barrier_timeout = absl::Seconds(cfg.collective_timeout_seconds());
+  CheckpointManager checkpoints(checkpoint_options, runtime.rank, runtime.world_size, coordination);
+  ResumeIfAsked(checkpoints, state, train_data, trainer, runtime, coordination);
+
+  MetricMap test;
+  std::map<std::string, double> latest_metrics;  // "task/metric" of the last eval, for best-M
+  int64_t last_saved = state.step;
+  auto save = [&](bool emergency) {
+    ShardExtras extras{train_data.position(), trainer.SaveTrainerState()};
+    checkpoints.Save(state, extras, latest_metrics, emergency);
+    last_saved = state.step;
+  };
+
+  // Preemption: after every step, once a signal or a peer's notice is known, the
+  // ranks agree on a step (the largest proposal: each rank's step + 1, published in
+  // the key-value store) and all stop exactly there. Ranks stay within a step of
+  // each other (every step all-reduces), so no rank has passed it when it learns it.
   const int64_t total = cfg.num_train_steps();
   const int64_t period = cfg.eval_every_steps() > 0 ? cfg.eval_every_steps() : total;
-  MetricMap test;
+  bool reported = false, proposed = false;
+  std::optional<int64_t> sync_step;
+  trainer.set_stop_check([&](int64_t step) {
+    if (coordination) coordination->SetStep(step);
+    const int signal = preemption_signal.load();
+    if (signal != 0 || preemption_notice.load()) {
+      if (coordination == nullptr) return true;  // alone: stop right here
+      if (signal != 0 && !reported) {
+        reported = true;
+        ThrowIfError(coordination->ReportPreemption(signal == SIGTERM ? "SIGTERM" : "SIGUSR1"),
+                     "reporting the preemption");
+      }
+      if (!proposed) {
+        proposed = true;
+        ThrowIfError(coordination->Set(absl::StrCat("lockstep/preempt/", runtime.rank), std::to_string(step + 1)),
+                     "proposing the preemption step");
+      }
+      if (!sync_step) {
+        absl::StatusOr<std::vector<std::pair<std::string, std::string>>> proposals =
+            coordination->List("lockstep/preempt/");
+        ThrowIfError(proposals.status(), "agreeing on the preemption step");
+        if (static_cast<int>(proposals->size()) == runtime.world_size) {
+          int64_t agreed = 0;
+          for (const auto& [key, value] : *proposals) agreed = std::max<int64_t>(agreed, std::stoll(value));
+          sync_step = agreed;
+          if (step > agreed) {
+            throw Error(absl::StrCat("preemption: this rank is at step ", step, ", past the agreed step ", agreed));
+          }
+        }
+      }
+      if (sync_step && step == *sync_step) return true;
+    }
+    // Regular checkpoints between evaluations (those at an evaluation carry its metrics).
+    if (checkpoints.Due(step) && step % period != 0 && step != total) save(false);
+    return false;
+  });
+
+  int exit_code = 0;
   while (state.step < total) {
     const int64_t chunk = std::min(period - state.step % period, total - state.step);
     trainer.Train(train_data, chunk);
-    if (coordination) coordination->SetStep(state.step);
+    if (trainer.stopped_by_check()) {
+      // Preempted: every rank is at the agreed step. A save in flight finishes first.
+      save(/*emergency=*/true);
+      checkpoints.Wait();
+      if (runtime.is_chief()) {
+        const int signal = preemption_signal.load();
+        std::printf("Preempted (%s): emergency checkpoint %s/%s; exiting with %d so that the job is requeued\n",
+                    signal == SIGUSR1 ? "SIGUSR1" : signal == SIGTERM ? "SIGTERM" : "a peer's signal",
+                    checkpoint_options.directory.c_str(), CheckpointDirName(state.step).c_str(), kExitPreempted);
+      }
+      exit_code = kExitPreempted;
+      break;
+    }
     test = evaluate();
+    for (const auto& [name, value] : test) latest_metrics["test/" + name] = value;
+    if (checkpoints.Due(state.step)) save(false);
     if (trainer.halt().halt) break;
   }
+  if (exit_code == 0 && test.empty()) test = evaluate();  // resumed at or past num_train_steps
+  if (exit_code == 0 && cfg.checkpoint().final() && last_saved != state.step) save(false);
+  checkpoints.Wait();
   if (writer) writer->Close();  // everything written before the last line
   if (progress) progress->Finish();
-  if (runtime.is_chief()) {
+  if (runtime.is_chief() && exit_code == 0) {
     const std::vector<std::string> plots = plotter->WritePlots(output_dir.string());
     if (!plots.empty()) std::printf("Plots: %s/{loss,accuracy,learning_rate,examples_per_second}.svg\n", output_dir.c_str());
     if (trainer.halt().halt) std::printf("Stopped after step %" PRId64 ": %s\n", state.step, trainer.halt().reason.c_str());
     std::printf("Done: %" PRId64 " steps in %.1f s; test loss %.4f, test accuracy %.4f\n", state.step,
                 SecondsSince(run_start), test[kLoss], test[kAccuracy]);
   }
+  if (exit_code != 0) return exit_code;
   return trainer.halt().failure ? kExitDiverged : 0;
 }
 
@@ -483,6 +632,7 @@ int main(int argc, char** argv) {
   // Summary lines reach a log file (sbatch, mpirun --output-filename) as they are
   // printed, not in 4 KiB blocks.
   std::setvbuf(stdout, nullptr, _IOLBF, 0);
+  InstallPreemptionHandlers();
   absl::SetProgramUsageMessage("Trains a model from a TrainerConfig. Usage: lockstep_train --config=FILE [--set=a.b=v]");
   // absl keeps only the last of repeated flags; silently dropping overrides would
   // train the wrong model, so a repeated --set is refused.

@@ -1,9 +1,11 @@
 #include "lockstep/actions.h"
 
 #include <cmath>
+#include <cstdio>
 #include <utility>
 
 #include "absl/strings/str_cat.h"
+#include "absl/strings/str_format.h"
 #include "lockstep/errors.h"
 
 namespace lockstep {
@@ -49,6 +51,23 @@ HaltDecision TerminateOnNanAction::OnSummary(const Summary& summary) {
   const auto it = summary.metrics.find(metric_);
   if (it == summary.metrics.end() || std::isfinite(it->second)) return {};
   return {true, true, absl::StrCat(task_, " ", metric_, " is ", it->second, " at step ", summary.step)};
+}
+
+std::string EarlyStoppingAction::SaveState() const {
+  return absl::StrFormat("%a %d %d", best_, best_step_, without_improvement_);
+}
+
+void EarlyStoppingAction::RestoreState(const std::string& state) {
+  if (state.empty()) return;
+  double best = 0;
+  long long best_step = 0;
+  int without = 0;
+  if (std::sscanf(state.c_str(), "%la %lld %d", &best, &best_step, &without) != 3) {
+    throw InvalidArgumentError("early stopping state: cannot read '" + state + "'");
+  }
+  best_ = best;
+  best_step_ = best_step;
+  without_improvement_ = without;
 }
 
 }  // namespace lockstep

@@ -2,6 +2,14 @@
 
 #include <cinttypes>
 #include <cstdio>
+#include <cstdlib>
+#include <string>
+#include <vector>
+
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_format.h"
+#include "absl/strings/str_split.h"
+#include "lockstep/errors.h"
 
 namespace lockstep {
 namespace {
@@ -71,6 +79,40 @@ MetricMap MetricsAccumulator::Flush() {
   sums_.clear();
   last_.clear();
   return out;
+}
+
+std::string MetricsAccumulator::SaveState() const {
+  std::string out = absl::StrFormat("steps %d\nexamples %a\n", steps_, examples_);
+  for (const auto& [name, value] : sums_) absl::StrAppendFormat(&out, "sum %s %a\n", name, value);
+  for (const auto& [name, value] : last_) absl::StrAppendFormat(&out, "last %s %a\n", name, value);
+  return out;
+}
+
+void MetricsAccumulator::RestoreState(const std::string& text) {
+  MetricsAccumulator restored;
+  for (absl::string_view line : absl::StrSplit(text, '\n', absl::SkipEmpty())) {
+    std::vector<std::string> f = absl::StrSplit(line, ' ');
+    auto number = [&](const std::string& field) {
+      char* end = nullptr;
+      const double value = std::strtod(field.c_str(), &end);
+      if (end == field.c_str() || *end != '\0') {
+        throw InvalidArgumentError(absl::StrCat("metrics state: bad number in '", line, "'"));
+      }
+      return value;
+    };
+    if (f.size() == 2 && f[0] == "steps") {
+      restored.steps_ = static_cast<int64_t>(number(f[1]));
+    } else if (f.size() == 2 && f[0] == "examples") {
+      restored.examples_ = number(f[1]);
+    } else if (f.size() == 3 && f[0] == "sum") {
+      restored.sums_[f[1]] = number(f[2]);
+    } else if (f.size() == 3 && f[0] == "last") {
+      restored.last_[f[1]] = number(f[2]);
+    } else {
+      throw InvalidArgumentError(absl::StrCat("metrics state: unexpected line '", line, "'"));
+    }
+  }
+  *this = std::move(restored);
 }
 
 }  // namespace lockstep

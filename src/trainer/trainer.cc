@@ -5,7 +5,9 @@
 
 #include <ATen/ATen.h>
 
+#include <cstdlib>
 #include <cstring>
+#include <vector>
 
 #include "lockstep/errors.h"
 
@@ -38,25 +40,29 @@ MetricMap BaseTrainer::Train(BatchIterator& data, int64_t num_steps, std::option
     if (*start_step < 0) throw InvalidArgumentError("Train: start_step must be >= 0");
     state_.step = *start_step;
   }
-  MetricsAccumulator period;
   MetricMap last;
+  stopped_by_check_ = false;
   auto flush = [&] {
-    last = period.Flush();
+    last = period_.Flush();
     Emit(Summary{"train", state_.step, last});
   };
   for (int64_t i = 0; i < num_steps && !halt_.halt; ++i) {
     std::optional<Batch> batch = data.Next();
     if (!batch) break;
     const int64_t before = state_.step;
-    period.Add(TrainStep(*batch));
+    period_.Add(TrainStep(*batch));
     if (state_.step != before + 1) {
       throw Error("TrainStep must advance state.step by exactly one (went from " + std::to_string(before) + " to " +
                   std::to_string(state_.step) + ")");
     }
     if (state_.step % summary_every_steps_ == 0) flush();
     if (halt_.halt) break;
+    if (stop_check_ && stop_check_(state_.step)) {
+      stopped_by_check_ = true;
+      return last;  // the unfinished period stays for the checkpoint
+    }
   }
-  if (!period.empty()) flush();
+  if (!period_.empty()) flush();
   return last;
 }
 
@@ -147,6 +153,39 @@ MetricMap Trainer::TrainStep(const Batch& batch) { return RunTrainStep(state(), 
 
 MetricSums Trainer::EvalStep(const Batch& batch) {
   return RunEvalStep(*state().model, batch, apply_, options_.eval_metrics);
+}
+
+// "<length>:<bytes>" for the period, then for each action in order.
+std::string BaseTrainer::SaveTrainerState() const {
+  std::vector<std::string> parts = {period_.SaveState()};
+  for (const auto& action : actions_) parts.push_back(action->SaveState());
+  std::string out;
+  for (const std::string& part : parts) out += std::to_string(part.size()) + ":" + part;
+  return out;
+}
+
+void BaseTrainer::RestoreTrainerState(const std::string& state) {
+  std::vector<std::string> parts;
+  size_t at = 0;
+  while (at < state.size()) {
+    const size_t colon = state.find(':', at);
+    if (colon == std::string::npos) throw InvalidArgumentError("trainer state: malformed");
+    const std::string length_text = state.substr(at, colon - at);
+    char* end = nullptr;
+    const unsigned long long length = std::strtoull(length_text.c_str(), &end, 10);
+    if (length_text.empty() || *end != '\0' || colon + 1 + length > state.size()) {
+      throw InvalidArgumentError("trainer state: malformed");
+    }
+    parts.push_back(state.substr(colon + 1, length));
+    at = colon + 1 + length;
+  }
+  if (parts.empty()) throw InvalidArgumentError("trainer state: empty");
+  if (parts.size() != actions_.size() + 1) {
+    throw InvalidArgumentError("trainer state: saved with " + std::to_string(parts.size() - 1) +
+                               " actions, this trainer has " + std::to_string(actions_.size()));
+  }
+  period_.RestoreState(parts[0]);
+  for (size_t i = 0; i < actions_.size(); ++i) actions_[i]->RestoreState(parts[i + 1]);
 }
 
 }  // namespace lockstep

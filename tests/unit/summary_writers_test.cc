@@ -30,6 +30,13 @@ TEST(Crc32cTest, KnownValues) {
   EXPECT_EQ(Crc32c("", 0), 0u);
   const std::string zeros(32, '\0');
   EXPECT_EQ(Crc32c(zeros.data(), zeros.size()), 0x8A9136AAu);  // RFC 3720 test vector
+  // Any split, any alignment: the same as one pass (and odd tails take the byte path).
+  std::string text;
+  for (int i = 0; i < 1000; ++i) text.push_back(static_cast<char>(i * 7 + 3));
+  const uint32_t whole = Crc32c(text.data(), text.size());
+  for (size_t cut : {size_t{0}, size_t{1}, size_t{7}, size_t{8}, size_t{13}, size_t{999}, size_t{1000}}) {
+    EXPECT_EQ(Crc32cExtend(Crc32c(text.data(), cut), text.data() + cut, text.size() - cut), whole) << cut;
+  }
 }
 
 TEST(TensorBoardWriterTest, WritesChecksummedEventRecords) {

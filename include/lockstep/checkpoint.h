@@ -1,0 +1,146 @@
+// Checkpoints: one directory per step, one shard file per rank and a manifest.
+//
+//   <directory>/step_00001200/shard_00000.pt   rank 0's shard
+//                             shard_00001.pt   ...
+//                             manifest.pb      step, world size, partitioning,
+//                                              config fingerprint, each shard's
+//                                              size and CRC32C, metrics
+//   <directory>/latest                         "step_00001200"
+//
+// A shard is a dictionary of named values in PyTorch's own format (torch.save's
+// zip): "model/<parameter or buffer name>" tensors, "optimizer/<parameter
+// name>/<field>" (momentum_buffer; exp_avg, exp_avg_sq, max_exp_avg_sq, step),
+// "rng/cpu" (libtorch's CPU generator state), "data/epoch",
+// "data/batch_in_epoch", "step", "trainer_state" (the unfinished summary period
+// and the actions' state). Python reads it with torch.load(path).
+//
+// Commit is atomic: every rank writes its shard into <directory>/.tmp_step_N and
+// fsyncs it, then reports its size and CRC32C through the coordination service and
+// meets the others at a barrier; rank 0 writes and fsyncs the manifest, renames the
+// directory into place, fsyncs <directory>, and only then replaces "latest"
+// (write, fsync, rename). A crash at any point leaves the previous checkpoint as
+// the latest valid one; a directory without a valid manifest is never loaded.
+//
+// Asynchronous saves copy the state in memory on the training thread and write on
+// a background thread; the next Save, Wait() and the destructor wait for it.
+//
+// Every rank constructs the manager with the same options and calls Save with the
+// same steps, in the same order.
+#ifndef LOCKSTEP_CHECKPOINT_H_
+#define LOCKSTEP_CHECKPOINT_H_
+
+#include <cstdint>
+#include <future>
+#include <map>
+#include <memory>
+#include <optional>
+#include <string>
+#include <vector>
+
+#include "absl/time/time.h"
+#include "lockstep/data.h"
+#include "lockstep/errors.h"
+#include "lockstep/train_state.h"
+
+namespace lockstep {
+
+class CoordinationClient;
+namespace checkpoint {
+class Manifest;
+}
+
+// A checkpoint is missing, truncated, corrupt, partial or incompatible, or cannot
+// be written. The message names the file and the reason.
+class CheckpointError : public Error {
+ public:
+  using Error::Error;
+};
+
+struct CheckpointOptions {
+  std::string directory;
+  int64_t every_steps = 0;  // Due(): 0 never
+  int keep_last = 3;        // the newest K are kept
+  int keep_best = 0;        // and the best M by best_metric ("task/metric")
+  std::string best_metric;
+  bool best_max = false;    // higher is better
+  bool async = true;
+  // "data_parallel_replicated": every rank's shard holds the whole state, so a
+  // checkpoint loads on any world size.
+  std::string partitioning = "data_parallel_replicated";
+  uint64_t config_fingerprint = 0;
+  std::string config_text;  // what the fingerprint covers, to name a difference
+  absl::Duration barrier_timeout = absl::Minutes(10);
+};
+
+// What a rank saves besides the model and the optimizer.
+struct ShardExtras {
+  IteratorPosition data;
+  std::string trainer_state;  // BaseTrainer::SaveTrainerState()
+};
+
+// A checkpoint found on disk, checked.
+struct FoundCheckpoint {
+  std::string path;  // the step directory
+  int64_t step = 0;
+  int world_size = 0;
+  std::shared_ptr<const checkpoint::Manifest> manifest;
+};
+
+class CheckpointManager {
+ public:
+  // `coordination` may be null only in a world of one. Borrowed.
+  CheckpointManager(CheckpointOptions options, int rank, int world_size, CoordinationClient* coordination);
+  // Waits for a save in flight; its failure is printed, not thrown.
+  ~CheckpointManager();
+  CheckpointManager(const CheckpointManager&) = delete;
+  CheckpointManager& operator=(const CheckpointManager&) = delete;
+
+  bool Due(int64_t step) const { return options_.every_steps > 0 && step > 0 && step % options_.every_steps == 0; }
+
+  // Saves `state` at state.step, with `metrics` ("task/metric" -> value) in the
+  // manifest. Waits for the previous save first. With async, returns once the state
+  // is copied; otherwise once the checkpoint is committed. Errors: CheckpointError
+  // (this save, or the previous async one, failed), CoordinationError.
+  void Save(const TrainState& state, const ShardExtras& extras, const std::map<std::string, double>& metrics,
+            bool emergency = false);
+  // Blocks until the save in flight is committed; rethrows its failure.
+  void Wait();
+  // Seconds the caller's thread spent in the last Save.
+  double last_save_pause_seconds() const { return last_pause_seconds_; }
+  const CheckpointOptions& options() const { return options_; }
+
+  // The newest checkpoint under `directory` whose manifest and shards all check
+  // out; each one skipped is described in `skipped` ("<file>: <reason>").
+  static std::optional<FoundCheckpoint> FindLatest(const std::string& directory, std::vector<std::string>* skipped);
+  // Checks one step directory: manifest CRC, every shard's size and CRC32C.
+  // Throws CheckpointError naming the file and the reason.
+  static FoundCheckpoint Validate(const std::string& path);
+  // Reads and checks the manifest only (the shards are checked as they load).
+  static FoundCheckpoint ReadManifestOnly(const std::string& path);
+
+  // Loads this rank's shard of `found` into `state` (and the CPU RNG) and returns
+  // the extras. Throws CheckpointError when the world size differs and the
+  // partitioning does not allow it, or the config fingerprint differs (naming the
+  // first differing line).
+  ShardExtras Restore(const FoundCheckpoint& found, TrainState& state) const;
+
+  struct Job;  // one save's copied state; defined in checkpoint.cc
+
+ private:
+  void Write(const Job& job);
+  void ApplyRetention();
+
+  const CheckpointOptions options_;
+  const int rank_;
+  const int world_size_;
+  CoordinationClient* const coordination_;  // Not owned.
+  std::future<void> in_flight_;  // the async save, if any
+  double last_pause_seconds_ = 0;
+};
+
+// Name of the step directory: step_00001200.
+std::string CheckpointDirName(int64_t step);
+
+}  // namespace lockstep
+
+#endif  // LOCKSTEP_CHECKPOINT_H_

@@ -1,0 +1,538 @@
+#include "lockstep/checkpoint.h"
+
+#include <ATen/ATen.h>
+#include <ATen/CPUGeneratorImpl.h>
+#include <ATen/core/Dict.h>
+#include <ATen/core/ivalue.h>
+#include <fcntl.h>
+#include <torch/csrc/jit/serialization/pickle.h>
+#include <torch/nn/module.h>
+#include <torch/optim/adam.h>
+#include <torch/optim/adamw.h>
+#include <torch/optim/sgd.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cerrno>
+#include <chrono>
+#include <cstdio>
+#include <cstring>
+#include <filesystem>
+#include <fstream>
+#include <set>
+#include <sstream>
+#include <unordered_map>
+
+#include "absl/strings/numbers.h"
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_format.h"
+#include "absl/strings/str_split.h"
+#include "lockstep/coordination.h"
+#include "lockstep/summary_writers.h"
+#include "proto/checkpoint.pb.h"
+
+namespace lockstep {
+
+namespace fs = std::filesystem;
+
+struct CheckpointManager::Job {
+  int64_t step = 0;
+  bool emergency = false;
+  std::map<std::string, double> metrics;
+  c10::impl::GenericDict values{c10::StringType::get(), c10::AnyType::get()};
+};
+
+namespace {
+
+constexpr char kManifestFile[] = "manifest.pb";
+constexpr char kLatestFile[] = "latest";
+constexpr char kPinnedFile[] = "PINNED";
+constexpr char kTmpPrefix[] = ".tmp_";
+
+std::string ShardName(int rank) { return absl::StrFormat("shard_%05d.pt", rank); }
+
+std::string Errno() { return std::strerror(errno); }
+
+// Writes `size` bytes to `path` and fsyncs it. Throws CheckpointError.
+void WriteDurably(const std::string& path, const char* data, size_t size) {
+  const int fd = ::open(path.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644);
+  if (fd < 0) throw CheckpointError(absl::StrCat("cannot create '", path, "': ", Errno()));
+  size_t done = 0;
+  while (done < size) {
+    const ssize_t n = ::write(fd, data + done, std::min<size_t>(size - done, size_t{1} << 30));
+    if (n < 0 && errno == EINTR) continue;
+    if (n <= 0) {
+      const std::string why = Errno();
+      ::close(fd);
+      throw CheckpointError(absl::StrCat("cannot write '", path, "': ", why));
+    }
+    done += static_cast<size_t>(n);
+  }
+  if (::fsync(fd) != 0) {
+    const std::string why = Errno();
+    ::close(fd);
+    throw CheckpointError(absl::StrCat("cannot fsync '", path, "': ", why));
+  }
+  if (::close(fd) != 0) throw CheckpointError(absl::StrCat("cannot close '", path, "': ", Errno()));
+}
+
+// Makes a rename or a new entry in `dir` durable.
+void FsyncDirectory(const std::string& dir) {
+  const int fd = ::open(dir.c_str(), O_RDONLY | O_DIRECTORY | O_CLOEXEC);
+  if (fd < 0) throw CheckpointError(absl::StrCat("cannot open directory '", dir, "': ", Errno()));
+  const int rc = ::fsync(fd);
+  const std::string why = rc != 0 ? Errno() : "";
+  ::close(fd);
+  if (rc != 0) throw CheckpointError(absl::StrCat("cannot fsync directory '", dir, "': ", why));
+}
+
+std::string ReadFile(const std::string& path, const std::string& what) {
+  std::ifstream in(path, std::ios::binary);
+  if (!in) throw CheckpointError(absl::StrCat(path, ": cannot read the ", what, " (", Errno(), ")"));
+  std::ostringstream bytes;
+  bytes << in.rdbuf();
+  return bytes.str();
+}
+
+// CRC32C and size of a file, read in 8 MiB pieces.
+std::pair<uint32_t, int64_t> FileCrc(const std::string& path) {
+  std::ifstream in(path, std::ios::binary);
+  if (!in) throw CheckpointError(absl::StrCat(path, ": missing (", Errno(), ")"));
+  std::vector<char> buffer(size_t{8} << 20);
+  uint32_t crc = 0;
+  int64_t size = 0;
+  while (in) {
+    in.read(buffer.data(), static_cast<std::streamsize>(buffer.size()));
+    const std::streamsize n = in.gcount();
+    if (n <= 0) break;
+    crc = Crc32cExtend(crc, buffer.data(), static_cast<size_t>(n));
+    size += n;
+  }
+  return {crc, size};
+}
+
+std::optional<int64_t> StepOfDirName(const std::string& name, const std::string& prefix) {
+  if (name.rfind(prefix, 0) != 0) return std::nullopt;
+  int64_t step = 0;
+  if (!absl::SimpleAtoi(name.substr(prefix.size()), &step) || step < 0) return std::nullopt;
+  return step;
+}
+
+checkpoint::Manifest ReadManifest(const std::string& dir) {
+  const std::string path = (fs::path(dir) / kManifestFile).string();
+  if (!fs::exists(path)) throw CheckpointError(absl::StrCat(path, ": missing (an unfinished save)"));
+  checkpoint::ManifestFile file;
+  if (!file.ParseFromString(ReadFile(path, "manifest"))) {
+    throw CheckpointError(absl::StrCat(path, ": not a manifest (truncated or overwritten)"));
+  }
+  if (Crc32c(file.manifest().data(), file.manifest().size()) != file.crc32c()) {
+    throw CheckpointError(absl::StrCat(path, ": fails its checksum (corrupt)"));
+  }
+  checkpoint::Manifest manifest;
+  if (!manifest.ParseFromString(file.manifest())) throw CheckpointError(absl::StrCat(path, ": unreadable manifest"));
+  return manifest;
+}
+
+// The first line where two config texts differ, for the mismatch message.
+std::string FirstDifference(const std::string& saved, const std::string& now) {
+  std::vector<std::string> a = absl::StrSplit(saved, '\n');
+  std::vector<std::string> b = absl::StrSplit(now, '\n');
+  for (size_t i = 0; i < std::max(a.size(), b.size()); ++i) {
+    const std::string x = i < a.size() ? a[i] : "(nothing)";
+    const std::string y = i < b.size() ? b[i] : "(nothing)";
+    if (x != y) return absl::StrCat("checkpoint has '", x, "', this run has '", y, "'");
+  }
+  return "the texts agree, the fingerprints do not";
+}
+
+// Parameter name by TensorImpl, to name optimizer state.
+std::unordered_map<const void*, std::string> ParameterNames(const torch::nn::Module& module) {
+  std::unordered_map<const void*, std::string> names;
+  for (const auto& item : module.named_parameters()) names[item.value().unsafeGetTensorImpl()] = item.key();
+  return names;
+}
+
+}  // namespace
+
+std::string CheckpointDirName(int64_t step) { return absl::StrFormat("step_%08d", step); }
+
+CheckpointManager::CheckpointManager(CheckpointOptions options, int rank, int world_size,
+                                     CoordinationClient* coordination)
+    : options_(std::move(options)), rank_(rank), world_size_(world_size), coordination_(coordination) {
+  if (options_.directory.empty()) throw InvalidArgumentError("checkpoint directory is empty");
+  if (world_size_ > 1 && coordination_ == nullptr) {
+    throw InvalidArgumentError("checkpoints of a world of more than one rank need the coordination service");
+  }
+  if (options_.keep_last < 1) throw InvalidArgumentError("checkpoint keep_last must be at least 1");
+  if (options_.keep_best > 0 && options_.best_metric.find('/') == std::string::npos) {
+    throw InvalidArgumentError("checkpoint best_metric must be task/metric (e.g. test/accuracy), got '" +
+                               options_.best_metric + "'");
+  }
+  fs::create_directories(options_.directory);
+}
+
+CheckpointManager::~CheckpointManager() {
+  try {
+    Wait();
+  } catch (const std::exception& e) {
+    std::fprintf(stderr, "lockstep: rank %d: checkpoint save failed: %s\n", rank_, e.what());
+  }
+}
+
+void CheckpointManager::Wait() {
+  if (in_flight_.valid()) in_flight_.get();
+}
+
+void CheckpointManager::Save(const TrainState& state, const ShardExtras& extras,
+                             const std::map<std::string, double>& metrics, bool emergency) {
+  const auto start = std::chrono::steady_clock::now();
+  Wait();  // one save at a time; rethrows the previous one's failure
+  auto job = std::make_shared<Job>();
+  job->step = state.step;
+  job->emergency = emergency;
+  job->metrics = metrics;
+  // Async: copies now, since training goes on changing the tensors in place.
+  const bool copy = options_.async;
+  auto put = [&](const std::string& key, const at::Tensor& t) {
+    if (t.defined()) job->values.insert(key, copy ? t.detach().clone() : t.detach());
+  };
+  for (const auto& item : state.model->named_parameters()) put("model/" + item.key(), item.value());
+  for (const auto& item : state.model->named_buffers()) put("model/" + item.key(), item.value());
+  const auto names = ParameterNames(*state.model);
+  for (const auto& group : state.optimizer->param_groups()) {
+    for (const at::Tensor& p : group.params()) {
+      auto it = state.optimizer->state().find(c10::guts::to_string(p.unsafeGetTensorImpl()));
+      if (it == state.optimizer->state().end()) continue;  // no step taken yet
+      auto name = names.find(p.unsafeGetTensorImpl());
+      if (name == names.end()) throw CheckpointError("the optimizer holds a parameter the model does not");
+      const std::string prefix = "optimizer/" + name->second + "/";
+      if (auto* sgd = dynamic_cast<torch::optim::SGDParamState*>(it->second.get())) {
+        put(prefix + "momentum_buffer", sgd->momentum_buffer());
+      } else if (auto* adam = dynamic_cast<torch::optim::AdamParamState*>(it->second.get())) {
+        job->values.insert(prefix + "step", adam->step());
+        put(prefix + "exp_avg", adam->exp_avg());
+        put(prefix + "exp_avg_sq", adam->exp_avg_sq());
+        put(prefix + "max_exp_avg_sq", adam->max_exp_avg_sq());
+      } else if (auto* adamw = dynamic_cast<torch::optim::AdamWParamState*>(it->second.get())) {
+        job->values.insert(prefix + "step", adamw->step());
+        put(prefix + "exp_avg", adamw->exp_avg());
+        put(prefix + "exp_avg_sq", adamw->exp_avg_sq());
+        put(prefix + "max_exp_avg_sq", adamw->max_exp_avg_sq());
+      } else {
+        throw CheckpointError("checkpoints support SGD, Adam and AdamW optimizer state");
+      }
+    }
+  }
+  {
+    at::Generator generator = at::detail::getDefaultCPUGenerator();
+    std::lock_guard<std::mutex> lock(generator.mutex());
+    job->values.insert("rng/cpu", generator.get_state());
+  }
+  job->values.insert("step", state.step);
+  job->values.insert("data/epoch", extras.data.epoch);
+  job->values.insert("data/batch_in_epoch", extras.data.batch_in_epoch);
+  job->values.insert("trainer_state", extras.trainer_state);
+  if (options_.async) {
+    in_flight_ = std::async(std::launch::async, [this, job] { Write(*job); });
+  } else {
+    Write(*job);
+  }
+  last_pause_seconds_ = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+}
+
+void CheckpointManager::Write(const Job& job) {
+  const fs::path dir = options_.directory;
+  const std::string name = CheckpointDirName(job.step);
+  const fs::path tmp = dir / (kTmpPrefix + name);
+  std::error_code ec;
+  fs::create_directories(tmp, ec);
+  if (ec) throw CheckpointError(absl::StrCat("cannot create '", tmp.string(), "': ", ec.message()));
+
+  const std::vector<char> bytes = torch::jit::pickle_save(c10::IValue(job.values));
+  const uint32_t crc = Crc32c(bytes.data(), bytes.size());
+  WriteDurably((tmp / ShardName(rank_)).string(), bytes.data(), bytes.size());
+
+  const std::string key_prefix = absl::StrCat("lockstep/checkpoint/", job.step, "/");
+  if (coordination_ != nullptr && world_size_ > 1) {
+    ThrowIfError(coordination_->Set(absl::StrCat(key_prefix, "shard/", rank_), absl::StrCat(bytes.size(), " ", crc)),
+                 "checkpoint: reporting this rank's shard");
+    ThrowIfError(coordination_->Barrier(key_prefix + "written", options_.barrier_timeout),
+                 absl::StrCat("checkpoint step ", job.step, ": waiting for every rank's shard"));
+  }
+  if (rank_ == 0) {
+    checkpoint::Manifest manifest;
+    manifest.set_step(job.step);
+    manifest.set_world_size(world_size_);
+    manifest.set_partitioning(options_.partitioning);
+    manifest.set_config_fingerprint(options_.config_fingerprint);
+    manifest.set_config_text(options_.config_text);
+    manifest.set_emergency(job.emergency);
+    manifest.set_created_unix_seconds(
+        std::chrono::duration_cast<std::chrono::seconds>(std::chrono::system_clock::now().time_since_epoch()).count());
+    for (const auto& [metric, value] : job.metrics) (*manifest.mutable_metrics())[metric] = value;
+    for (int r = 0; r < world_size_; ++r) {
+      checkpoint::ShardFile* shard = manifest.add_shards();
+      shard->set_rank(r);
+      shard->set_path(ShardName(r));
+      if (r == rank_) {
+        shard->set_bytes(static_cast<int64_t>(bytes.size()));
+        shard->set_crc32c(crc);
+        continue;
+      }
+      absl::StatusOr<std::string> info = coordination_->Get(absl::StrCat(key_prefix, "shard/", r), absl::Minutes(1));
+      ThrowIfError(info.status(), absl::StrCat("checkpoint: rank ", r, "'s shard"));
+      std::vector<std::string> fields = absl::StrSplit(*info, ' ');
+      int64_t size = 0;
+      uint32_t shard_crc = 0;
+      if (fields.size() != 2 || !absl::SimpleAtoi(fields[0], &size) || !absl::SimpleAtoi(fields[1], &shard_crc)) {
+        throw CheckpointError(absl::StrCat("checkpoint: rank ", r, " reported '", *info, "'"));
+      }
+      shard->set_bytes(size);
+      shard->set_crc32c(shard_crc);
+    }
+    checkpoint::ManifestFile file;
+    file.set_manifest(manifest.SerializeAsString());
+    file.set_crc32c(Crc32c(file.manifest().data(), file.manifest().size()));
+    const std::string manifest_bytes = file.SerializeAsString();
+    WriteDurably((tmp / kManifestFile).string(), manifest_bytes.data(), manifest_bytes.size());
+    FsyncDirectory(tmp.string());
+    const fs::path final_dir = dir / name;
+    if (fs::exists(final_dir / kManifestFile)) {
+      fs::remove_all(tmp);  // this step is already committed (an emergency save right after a regular one)
+    } else {
+      fs::remove_all(final_dir);  // a leftover without a manifest is not a checkpoint
+      fs::rename(tmp, final_dir);
+    }
+    FsyncDirectory(dir.string());
+    // Only now does "latest" move.
+    const std::string latest_tmp = (dir / (std::string(kTmpPrefix) + kLatestFile)).string();
+    const std::string latest_text = name + "\n";
+    WriteDurably(latest_tmp, latest_text.data(), latest_text.size());
+    fs::rename(latest_tmp, dir / kLatestFile);
+    FsyncDirectory(dir.string());
+    ApplyRetention();
+  }
+  if (coordination_ != nullptr && world_size_ > 1) {
+    ThrowIfError(coordination_->Barrier(key_prefix + "committed", options_.barrier_timeout),
+                 absl::StrCat("checkpoint step ", job.step, ": waiting for rank 0 to commit"));
+    (void)coordination_->Delete(absl::StrCat(key_prefix, "shard/", rank_));
+  }
+}
+
+void CheckpointManager::ApplyRetention() {
+  struct Entry {
+    int64_t step;
+    fs::path path;
+    std::optional<double> metric;
+    bool pinned;
+  };
+  std::vector<Entry> entries;
+  for (const auto& item : fs::directory_iterator(options_.directory)) {
+    const std::string name = item.path().filename().string();
+    if (name.rfind(kTmpPrefix, 0) == 0 && name != std::string(kTmpPrefix) + kLatestFile) {
+      fs::remove_all(item.path());  // every rank's part of every save so far is committed: leftovers of a crash
+      continue;
+    }
+    const std::optional<int64_t> step = StepOfDirName(name, "step_");
+    if (!step || !item.is_directory()) continue;
+    Entry entry{*step, item.path(), std::nullopt, fs::exists(item.path() / kPinnedFile)};
+    try {
+      const checkpoint::Manifest manifest = ReadManifest(item.path().string());
+      auto metric = manifest.metrics().find(options_.best_metric);
+      if (metric != manifest.metrics().end() && !std::isnan(metric->second)) entry.metric = metric->second;
+    } catch (const CheckpointError&) {
+      continue;  // not a checkpoint; left alone (and never loaded)
+    }
+    entries.push_back(entry);
+  }
+  std::sort(entries.begin(), entries.end(), [](const Entry& a, const Entry& b) { return a.step > b.step; });
+  std::set<int64_t> keep;
+  for (size_t i = 0; i < entries.size() && static_cast<int>(i) < options_.keep_last; ++i) keep.insert(entries[i].step);
+  if (options_.keep_best > 0) {
+    std::vector<Entry> ranked;
+    for (const Entry& e : entries) {
+      if (e.metric) ranked.push_back(e);
+    }
+    std::stable_sort(ranked.begin(), ranked.end(), [this](const Entry& a, const Entry& b) {
+      return options_.best_max ? *a.metric > *b.metric : *a.metric < *b.metric;
+    });
+    for (size_t i = 0; i < ranked.size() && static_cast<int>(i) < options_.keep_best; ++i) keep.insert(ranked[i].step);
+  }
+  for (const Entry& e : entries) {
+    if (!keep.count(e.step) && !e.pinned) fs::remove_all(e.path);
+  }
+}
+
+FoundCheckpoint CheckpointManager::Validate(const std::string& path) {
+  if (!fs::is_directory(path)) throw CheckpointError(absl::StrCat(path, ": not a checkpoint directory"));
+  auto manifest = std::make_shared<checkpoint::Manifest>(ReadManifest(path));
+  if (manifest->world_size() < 1 || manifest->shards_size() != manifest->world_size()) {
+    throw CheckpointError(absl::StrCat(path, "/", kManifestFile, ": lists ", manifest->shards_size(),
+                                       " shards for a world of ", manifest->world_size()));
+  }
+  for (const checkpoint::ShardFile& shard : manifest->shards()) {
+    if (shard.path().empty() || shard.path().find('/') != std::string::npos) {
+      throw CheckpointError(absl::StrCat(path, "/", kManifestFile, ": bad shard path '", shard.path(), "'"));
+    }
+    const std::string file = (fs::path(path) / shard.path()).string();
+    if (!fs::exists(file)) throw CheckpointError(absl::StrCat(file, ": missing (a partial checkpoint)"));
+    const int64_t size = static_cast<int64_t>(fs::file_size(file));
+    if (size != shard.bytes()) {
+      throw CheckpointError(absl::StrCat(file, ": ", size, " bytes, the manifest says ", shard.bytes(), " (truncated)"));
+    }
+    const auto [crc, read] = FileCrc(file);
+    if (crc != shard.crc32c() || read != size) {
+      throw CheckpointError(absl::StrFormat("%s: CRC32C %08x, the manifest says %08x (corrupt)", file, crc,
+                                            shard.crc32c()));
+    }
+  }
+  return FoundCheckpoint{path, manifest->step(), manifest->world_size(), manifest};
+}
+
+FoundCheckpoint CheckpointManager::ReadManifestOnly(const std::string& path) {
+  auto manifest = std::make_shared<checkpoint::Manifest>(ReadManifest(path));
+  if (manifest->world_size() < 1 || manifest->shards_size() != manifest->world_size()) {
+    throw CheckpointError(absl::StrCat(path, "/", kManifestFile, ": lists ", manifest->shards_size(),
+                                       " shards for a world of ", manifest->world_size()));
+  }
+  return FoundCheckpoint{path, manifest->step(), manifest->world_size(), manifest};
+}
+
+std::optional<FoundCheckpoint> CheckpointManager::FindLatest(const std::string& directory,
+                                                             std::vector<std::string>* skipped) {
+  if (!fs::is_directory(directory)) return std::nullopt;
+  std::vector<std::pair<int64_t, fs::path>> candidates;
+  std::vector<std::pair<int64_t, fs::path>> unfinished;
+  for (const auto& item : fs::directory_iterator(directory)) {
+    const std::string name = item.path().filename().string();
+    if (!item.is_directory()) continue;
+    if (auto step = StepOfDirName(name, "step_")) candidates.emplace_back(*step, item.path());
+    if (auto step = StepOfDirName(name, std::string(kTmpPrefix) + "step_")) unfinished.emplace_back(*step, item.path());
+  }
+  std::sort(candidates.rbegin(), candidates.rend());
+  for (const auto& [step, path] : candidates) {
+    try {
+      FoundCheckpoint found = Validate(path.string());
+      if (skipped) {
+        for (const auto& [tmp_step, tmp_path] : unfinished) {
+          if (tmp_step > step) skipped->push_back(absl::StrCat(tmp_path.string(), ": an unfinished save (never committed)"));
+        }
+      }
+      return found;
+    } catch (const CheckpointError& e) {
+      if (skipped) skipped->push_back(e.what());
+    }
+  }
+  return std::nullopt;
+}
+
+ShardExtras CheckpointManager::Restore(const FoundCheckpoint& found, TrainState& state) const {
+  const checkpoint::Manifest& manifest = *found.manifest;
+  if (manifest.world_size() != world_size_ && manifest.partitioning() != "data_parallel_replicated") {
+    throw CheckpointError(absl::StrCat(found.path, ": written by ", manifest.world_size(), " ranks with partitioning '",
+                                       manifest.partitioning(), "', which cannot load on ", world_size_));
+  }
+  if (manifest.config_fingerprint() != options_.config_fingerprint) {
+    throw CheckpointError(absl::StrCat(found.path, ": written with a different config: ",
+                                       FirstDifference(manifest.config_text(), options_.config_text),
+                                       " (resume with the same config, or start afresh with --resume=none)"));
+  }
+  // Replicated: every shard holds the whole state; a new rank loads rank 0's.
+  const int shard_rank = rank_ < manifest.world_size() ? rank_ : 0;
+  const checkpoint::ShardFile& shard = manifest.shards(shard_rank);
+  const std::string file = (fs::path(found.path) / shard.path()).string();
+  const std::string text = ReadFile(file, "shard");
+  if (static_cast<int64_t>(text.size()) != shard.bytes() || Crc32c(text.data(), text.size()) != shard.crc32c()) {
+    throw CheckpointError(absl::StrCat(file, ": does not match its manifest (size or CRC32C): corrupt"));
+  }
+  c10::IValue loaded;
+  try {
+    loaded = torch::jit::pickle_load(std::vector<char>(text.begin(), text.end()));
+  } catch (const c10::Error& e) {
+    throw CheckpointError(absl::StrCat(file, ": unreadable shard: ", e.what_without_backtrace()));
+  }
+  if (!loaded.isGenericDict()) throw CheckpointError(absl::StrCat(file, ": not a dictionary"));
+  const c10::impl::GenericDict values = loaded.toGenericDict();
+  auto get = [&](const std::string& key) -> c10::IValue {
+    auto it = values.find(key);
+    if (it == values.end()) throw CheckpointError(absl::StrCat(file, ": has no '", key, "' (a different model?)"));
+    return it->value();
+  };
+  auto tensor = [&](const std::string& key, const at::Tensor& like) {
+    at::Tensor t = get(key).toTensor();
+    if (like.defined() && (t.sizes() != like.sizes() || t.scalar_type() != like.scalar_type())) {
+      throw CheckpointError(absl::StrCat(file, ": '", key, "' has shape ", c10::str(t.sizes()), " ",
+                                         c10::toString(t.scalar_type()), ", the model's has ", c10::str(like.sizes()),
+                                         " ", c10::toString(like.scalar_type())));
+    }
+    return t;
+  };
+  {
+    at::NoGradGuard no_grad;
+    for (const auto& item : state.model->named_parameters()) {
+      item.value().copy_(tensor("model/" + item.key(), item.value()));
+    }
+    for (const auto& item : state.model->named_buffers()) {
+      item.value().copy_(tensor("model/" + item.key(), item.value()));
+    }
+  }
+  const auto names = ParameterNames(*state.model);
+  auto& optimizer_state = state.optimizer->state();
+  optimizer_state.clear();
+  auto optional_tensor = [&](const std::string& key, const at::Tensor& param) -> at::Tensor {
+    auto it = values.find(key);
+    if (it == values.end()) return at::Tensor();
+    return tensor(key, param).to(param.device());
+  };
+  for (const auto& group : state.optimizer->param_groups()) {
+    for (const at::Tensor& p : group.params()) {
+      const std::string prefix = "optimizer/" + names.at(p.unsafeGetTensorImpl()) + "/";
+      const std::string key = c10::guts::to_string(p.unsafeGetTensorImpl());
+      if (dynamic_cast<torch::optim::SGD*>(state.optimizer.get())) {
+        at::Tensor momentum = optional_tensor(prefix + "momentum_buffer", p);
+        if (!momentum.defined()) continue;
+        auto s = std::make_unique<torch::optim::SGDParamState>();
+        s->momentum_buffer(momentum);
+        optimizer_state[key] = std::move(s);
+      } else if (dynamic_cast<torch::optim::Adam*>(state.optimizer.get()) ||
+                 dynamic_cast<torch::optim::AdamW*>(state.optimizer.get())) {
+        if (values.find(prefix + "step") == values.end()) continue;
+        const int64_t step = get(prefix + "step").toInt();
+        at::Tensor exp_avg = optional_tensor(prefix + "exp_avg", p);
+        at::Tensor exp_avg_sq = optional_tensor(prefix + "exp_avg_sq", p);
+        at::Tensor max_exp_avg_sq = optional_tensor(prefix + "max_exp_avg_sq", p);
+        if (dynamic_cast<torch::optim::Adam*>(state.optimizer.get())) {
+          auto s = std::make_unique<torch::optim::AdamParamState>();
+          s->step(step);
+          s->exp_avg(exp_avg);
+          s->exp_avg_sq(exp_avg_sq);
+          s->max_exp_avg_sq(max_exp_avg_sq);
+          optimizer_state[key] = std::move(s);
+        } else {
+          auto s = std::make_unique<torch::optim::AdamWParamState>();
+          s->step(step);
+          s->exp_avg(exp_avg);
+          s->exp_avg_sq(exp_avg_sq);
+          s->max_exp_avg_sq(max_exp_avg_sq);
+          optimizer_state[key] = std::move(s);
+        }
+      } else {
+        throw CheckpointError("checkpoints support SGD, Adam and AdamW optimizer state");
+      }
+    }
+  }
+  {
+    at::Generator generator = at::detail::getDefaultCPUGenerator();
+    std::lock_guard<std::mutex> lock(generator.mutex());
+    generator.set_state(get("rng/cpu").toTensor().to(at::kCPU).contiguous());
+  }
+  state.step = get("step").toInt();
+  ShardExtras extras;
+  extras.data.epoch = get("data/epoch").toInt();
+  extras.data.batch_in_epoch = get("data/batch_in_epoch").toInt();
+  extras.trainer_state = get("trainer_state").toStringRef();
+  return extras;
+}
+
+}  // namespace lockstep
