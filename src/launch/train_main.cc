@@ -579,7 +579,8 @@ int Train(const config::TrainerConfig& cfg, const Runtime& runtime, const std::s
           }
         }
       }
-      if (sync_step && step == *sync_step) return true;
+      // At the last step training ends anyway, with its final checkpoint.
+      if (sync_step && step == *sync_step && step != total) return true;
     }
     // Regular checkpoints between evaluations (those at an evaluation carry its metrics).
     if (checkpoints.Due(step) && step % period != 0 && step != total) save(false);
@@ -591,7 +592,12 @@ int Train(const config::TrainerConfig& cfg, const Runtime& runtime, const std::s
     const int64_t chunk = std::min(period - state.step % period, total - state.step);
     trainer.Train(train_data, chunk);
     if (trainer.stopped_by_check()) {
-      // Preempted: every rank is at the agreed step. A save in flight finishes first.
+      // Preempted: every rank is at the agreed step. At an evaluation step, evaluate
+      // first, as an uninterrupted run would; a save in flight finishes first.
+      if (state.step % period == 0 || state.step == total) {
+        test = evaluate();
+        for (const auto& [name, value] : test) latest_metrics["test/" + name] = value;
+      }
       save(/*emergency=*/true);
       checkpoints.Wait();
       if (runtime.is_chief()) {
