@@ -88,7 +88,7 @@ struct FoundCheckpoint {
 
 class CheckpointManager {
  public:
-  // `coordination` may be null only in a world of one. Borrowed.
+  // `coordination` may be null only in a world of one (or to Restore only). Borrowed.
   CheckpointManager(CheckpointOptions options, int rank, int world_size, CoordinationClient* coordination);
   // Waits for a save in flight; its failure is printed, not thrown.
   ~CheckpointManager();

@@ -161,9 +161,6 @@ CheckpointManager::CheckpointManager(CheckpointOptions options, int rank, int wo
                                      CoordinationClient* coordination)
     : options_(std::move(options)), rank_(rank), world_size_(world_size), coordination_(coordination) {
   if (options_.directory.empty()) throw InvalidArgumentError("checkpoint directory is empty");
-  if (world_size_ > 1 && coordination_ == nullptr) {
-    throw InvalidArgumentError("checkpoints of a world of more than one rank need the coordination service");
-  }
   if (options_.keep_last < 1) throw InvalidArgumentError("checkpoint keep_last must be at least 1");
   if (options_.keep_best > 0 && options_.best_metric.find('/') == std::string::npos) {
     throw InvalidArgumentError("checkpoint best_metric must be task/metric (e.g. test/accuracy), got '" +
@@ -187,6 +184,9 @@ void CheckpointManager::Wait() {
 void CheckpointManager::Save(const TrainState& state, const ShardExtras& extras,
                              const std::map<std::string, double>& metrics, bool emergency) {
   const auto start = std::chrono::steady_clock::now();
+  if (world_size_ > 1 && coordination_ == nullptr) {
+    throw InvalidArgumentError("checkpoints of a world of more than one rank need the coordination service");
+  }
   Wait();  // one save at a time; rethrows the previous one's failure
   auto job = std::make_shared<Job>();
   job->step = state.step;
