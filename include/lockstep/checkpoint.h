@@ -37,6 +37,8 @@
 #include <string>
 #include <vector>
 
+#include <ATen/core/Tensor.h>
+
 #include "absl/time/time.h"
 #include "lockstep/data.h"
 #include "lockstep/errors.h"
@@ -135,6 +137,7 @@ class CheckpointManager {
   const int world_size_;
   CoordinationClient* const coordination_;  // Not owned.
   std::future<void> in_flight_;  // the async save, if any
+  std::map<std::string, at::Tensor> staging_;  // async copies, reused from save to save
   double last_pause_seconds_ = 0;
 };
 

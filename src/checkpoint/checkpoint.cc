@@ -5,7 +5,10 @@
 #include <ATen/core/Dict.h>
 #include <ATen/core/ivalue.h>
 #include <fcntl.h>
+#include <caffe2/serialize/inline_container.h>
+#include <torch/csrc/jit/serialization/export.h>
 #include <torch/csrc/jit/serialization/pickle.h>
+#include <torch/csrc/jit/serialization/pickler.h>
 #include <torch/nn/module.h>
 #include <torch/optim/adam.h>
 #include <torch/optim/adamw.h>
@@ -75,6 +78,45 @@ void WriteDurably(const std::string& path, const char* data, size_t size) {
     throw CheckpointError(absl::StrCat("cannot fsync '", path, "': ", why));
   }
   if (::close(fd) != 0) throw CheckpointError(absl::StrCat("cannot close '", path, "': ", Errno()));
+}
+
+// Writes `values` to `path` in torch.save's zip format (what torch::jit::pickle_save
+// produces, streamed straight to the file instead of through a growing buffer:
+// 3 s against 0.4 s for 256 MB here), fsyncs it, and returns its size and CRC32C.
+std::pair<size_t, uint32_t> WriteShard(const std::string& path, const c10::impl::GenericDict& values) {
+  const int fd = ::open(path.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644);
+  if (fd < 0) throw CheckpointError(absl::StrCat("cannot create '", path, "': ", Errno()));
+  size_t size = 0;
+  uint32_t crc = 0;
+  try {
+    auto write = [&](const void* data, size_t length) -> size_t {
+      const char* bytes = static_cast<const char*>(data);
+      size_t done = 0;
+      while (done < length) {
+        const ssize_t n = ::write(fd, bytes + done, std::min<size_t>(length - done, size_t{1} << 30));
+        if (n < 0 && errno == EINTR) continue;
+        if (n <= 0) throw CheckpointError(absl::StrCat("cannot write '", path, "': ", Errno()));
+        done += static_cast<size_t>(n);
+      }
+      crc = Crc32cExtend(crc, data, length);
+      size += length;
+      return length;
+    };
+    std::vector<char> pickled;
+    torch::jit::Pickler pickler([&](const char* data, size_t length) { pickled.insert(pickled.end(), data, data + length); });
+    pickler.protocol();
+    pickler.pushIValue(c10::IValue(values));
+    pickler.stop();
+    caffe2::serialize::PyTorchStreamWriter archive(write);
+    torch::jit::writeArchiveAndTensors("data", pickled.data(), pickled.size(), pickler.tensorData(), archive);
+    archive.writeEndOfFile();
+    if (::fsync(fd) != 0) throw CheckpointError(absl::StrCat("cannot fsync '", path, "': ", Errno()));
+  } catch (...) {
+    ::close(fd);
+    throw;
+  }
+  if (::close(fd) != 0) throw CheckpointError(absl::StrCat("cannot close '", path, "': ", Errno()));
+  return {size, crc};
 }
 
 // Makes a rename or a new entry in `dir` durable.
@@ -194,8 +236,22 @@ void CheckpointManager::Save(const TrainState& state, const ShardExtras& extras,
   job->metrics = metrics;
   // Async: copies now, since training goes on changing the tensors in place.
   const bool copy = options_.async;
+  // Copies go to staging tensors kept from the previous save (it has finished):
+  // memory already mapped copies at memcpy speed; fresh allocations fault in every
+  // page (112 ms against 30 ms for 256 MB here).
   auto put = [&](const std::string& key, const at::Tensor& t) {
-    if (t.defined()) job->values.insert(key, copy ? t.detach().clone() : t.detach());
+    if (!t.defined()) return;
+    if (!copy) {
+      job->values.insert(key, t.detach());
+      return;
+    }
+    at::Tensor& staged = staging_[key];
+    if (!staged.defined() || staged.sizes() != t.sizes() || staged.scalar_type() != t.scalar_type() ||
+        staged.device() != t.device()) {
+      staged = at::empty(t.sizes(), t.options().memory_format(at::MemoryFormat::Contiguous));
+    }
+    staged.copy_(t.detach());
+    job->values.insert(key, staged);
   };
   for (const auto& item : state.model->named_parameters()) put("model/" + item.key(), item.value());
   for (const auto& item : state.model->named_buffers()) put("model/" + item.key(), item.value());
@@ -249,13 +305,11 @@ void CheckpointManager::Write(const Job& job) {
   fs::create_directories(tmp, ec);
   if (ec) throw CheckpointError(absl::StrCat("cannot create '", tmp.string(), "': ", ec.message()));
 
-  const std::vector<char> bytes = torch::jit::pickle_save(c10::IValue(job.values));
-  const uint32_t crc = Crc32c(bytes.data(), bytes.size());
-  WriteDurably((tmp / ShardName(rank_)).string(), bytes.data(), bytes.size());
+  const auto [bytes_written, crc] = WriteShard((tmp / ShardName(rank_)).string(), job.values);
 
   const std::string key_prefix = absl::StrCat("lockstep/checkpoint/", job.step, "/");
   if (coordination_ != nullptr && world_size_ > 1) {
-    ThrowIfError(coordination_->Set(absl::StrCat(key_prefix, "shard/", rank_), absl::StrCat(bytes.size(), " ", crc)),
+    ThrowIfError(coordination_->Set(absl::StrCat(key_prefix, "shard/", rank_), absl::StrCat(bytes_written, " ", crc)),
                  "checkpoint: reporting this rank's shard");
     ThrowIfError(coordination_->Barrier(key_prefix + "written", options_.barrier_timeout),
                  absl::StrCat("checkpoint step ", job.step, ": waiting for every rank's shard"));
@@ -276,7 +330,7 @@ void CheckpointManager::Write(const Job& job) {
       shard->set_rank(r);
       shard->set_path(ShardName(r));
       if (r == rank_) {
-        shard->set_bytes(static_cast<int64_t>(bytes.size()));
+        shard->set_bytes(static_cast<int64_t>(bytes_written));
         shard->set_crc32c(crc);
         continue;
       }

@@ -1,0 +1,141 @@
+// How long the training thread stops for a checkpoint: an asynchronous save
+// (copy in memory, write in the background) against a synchronous save of the same
+// state (serialise, write, fsync, commit), measured in the same run.
+//
+//   build/benchmarks/checkpoint_benchmark [--benchmark_filter=...] [--megabytes=N]
+//
+// The state is an MLP whose parameters take --megabytes (default 128) with SGD
+// momentum (as much again), written to a temporary directory on the same disk as
+// the current directory. The async figure is the pause alone; the write it leaves
+// to the background is waited for outside the timed region.
+#include <benchmark/benchmark.h>
+#include <stdlib.h>
+#include <torch/nn/modules/container/sequential.h>
+#include <torch/nn/modules/linear.h>
+#include <torch/optim/sgd.h>
+
+#include <cstdio>
+#include <cstring>
+#include <filesystem>
+#include <map>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "lockstep/checkpoint.h"
+#include "lockstep/torch_setup.h"
+
+namespace lockstep {
+namespace {
+
+int64_t megabytes = 128;
+
+struct BigState {
+  TrainState state;
+  std::string dir;
+  BigState() {
+    // width x width layers of float32 until the parameters reach `megabytes`.
+    const int64_t width = 2048;
+    const int64_t layers = std::max<int64_t>(1, (megabytes << 20) / (width * width * 4));
+    torch::nn::Sequential model;
+    for (int64_t i = 0; i < layers; ++i) model->push_back(torch::nn::Linear(width, width));
+    state.model = model.ptr();
+    state.optimizer = std::make_shared<torch::optim::SGD>(model->parameters(), torch::optim::SGDOptions(0.1).momentum(0.9));
+    // One step, so that the optimizer holds its momentum buffers.
+    model->forward(torch::ones({4, width})).sum().backward();
+    state.optimizer->step();
+    state.step = 1;
+    std::string pattern = (std::filesystem::current_path() / "checkpoint_bench_XXXXXX").string();
+    dir = mkdtemp(pattern.data());
+  }
+  ~BigState() { std::filesystem::remove_all(dir); }
+  int64_t bytes() const {
+    int64_t total = 0;
+    for (const auto& p : state.model->parameters()) total += p.numel() * 4;
+    return 2 * total;  // parameters and momentum
+  }
+};
+
+BigState& State() {
+  static BigState state;
+  return state;
+}
+
+CheckpointOptions Options(bool async) {
+  CheckpointOptions o;
+  o.directory = State().dir;
+  o.async = async;
+  o.keep_last = 1;
+  return o;
+}
+
+void BM_SyncSave(benchmark::State& bench) {
+  BigState& big = State();
+  CheckpointManager manager(Options(false), 0, 1, nullptr);
+  for (auto _ : bench) {
+    ++big.state.step;
+    manager.Save(big.state, ShardExtras{}, {});
+  }
+  bench.SetBytesProcessed(bench.iterations() * big.bytes());
+}
+
+void BM_AsyncSavePause(benchmark::State& bench) {
+  BigState& big = State();
+  CheckpointManager manager(Options(true), 0, 1, nullptr);
+  for (auto _ : bench) {
+    ++big.state.step;
+    manager.Save(big.state, ShardExtras{}, {});
+    bench.PauseTiming();
+    manager.Wait();  // the background write is not the training thread's time
+    bench.ResumeTiming();
+  }
+  bench.SetBytesProcessed(bench.iterations() * big.bytes());
+}
+
+BENCHMARK(BM_SyncSave)->Unit(benchmark::kMillisecond)->Iterations(5)->UseRealTime();
+BENCHMARK(BM_AsyncSavePause)->Unit(benchmark::kMillisecond)->Iterations(5)->UseRealTime();
+
+class RatioReporter : public benchmark::ConsoleReporter {
+ public:
+  void ReportRuns(const std::vector<Run>& runs) override {
+    ConsoleReporter::ReportRuns(runs);
+    for (const Run& run : runs) {
+      if (run.run_type == Run::RT_Aggregate && run.aggregate_name == "median") {
+        medians[run.run_name.function_name] = run.GetAdjustedRealTime();
+      } else if (run.run_type == Run::RT_Iteration && run.repetitions <= 1) {
+        medians[run.run_name.function_name] = run.GetAdjustedRealTime();
+      }
+    }
+  }
+  std::map<std::string, double> medians;
+};
+
+}  // namespace
+}  // namespace lockstep
+
+int main(int argc, char** argv) {
+  lockstep::ConfigureTorchForTraining();
+  std::vector<char*> args;
+  for (int i = 0; i < argc; ++i) {
+    if (std::strncmp(argv[i], "--megabytes=", 12) == 0) {
+      lockstep::megabytes = std::atoll(argv[i] + 12);
+    } else {
+      args.push_back(argv[i]);
+    }
+  }
+  std::string repetitions = "--benchmark_repetitions=3";
+  args.insert(args.begin() + 1, repetitions.data());
+  int count = static_cast<int>(args.size());
+  benchmark::Initialize(&count, args.data());
+  if (benchmark::ReportUnrecognizedArguments(count, args.data())) return 2;
+  std::printf("State: %.1f MB (parameters and SGD momentum)\n", lockstep::State().bytes() / 1e6);
+  lockstep::RatioReporter reporter;
+  benchmark::RunSpecifiedBenchmarks(&reporter);
+  benchmark::Shutdown();
+  const auto& m = reporter.medians;
+  if (m.count("BM_AsyncSavePause") && m.count("BM_SyncSave")) {
+    std::printf("\nAsync save pause / sync save time (medians): %.4f\n",
+                m.at("BM_AsyncSavePause") / m.at("BM_SyncSave"));
+  }
+  return 0;
+}
