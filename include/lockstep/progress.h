@@ -12,6 +12,8 @@
 #include <utility>
 #include <vector>
 
+#include "absl/base/thread_annotations.h"
+#include "absl/synchronization/mutex.h"
 #include "lockstep/metrics.h"
 
 namespace lockstep {
@@ -21,18 +23,31 @@ namespace lockstep {
 class ProgressBar {
  public:
   ProgressBar(int64_t total_steps, std::FILE* stream = stdout);  // Not owned.
+  // A summary: train summaries redraw the bar; others print their lines below it.
   void operator()(const Summary& summary);
+  // Continuous updates (TrainerConfig.progress_updates: step): called by the
+  // training thread after every step; redraws with the last train summary's
+  // metrics, at most every `min_interval`, so a fast loop pays one clock read.
+  void Step(int64_t step);
   // Ends the bar's line.
   void Finish();
   // The bar line for a step, without the leading carriage return (for tests).
   std::string Line(int64_t step, double seconds_elapsed, const MetricMap& metrics) const;
 
+  std::chrono::milliseconds min_interval{100};
+
  private:
+  void Draw(int64_t step, const MetricMap& metrics) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+
   const int64_t total_steps_;
   std::FILE* const stream_;
   const std::chrono::steady_clock::time_point start_ = std::chrono::steady_clock::now();
-  int64_t first_step_ = -1;
-  bool line_open_ = false;
+  absl::Mutex mu_;  // the writer thread (summaries) and the training thread (Step)
+  int64_t first_step_ ABSL_GUARDED_BY(mu_) = -1;
+  bool line_open_ ABSL_GUARDED_BY(mu_) = false;
+  MetricMap last_metrics_ ABSL_GUARDED_BY(mu_);
+  int64_t last_step_ ABSL_GUARDED_BY(mu_) = -1;
+  std::chrono::steady_clock::time_point last_draw_ ABSL_GUARDED_BY(mu_);
 };
 
 // Records every summary and writes SVG line charts of the curves.

@@ -161,7 +161,7 @@ void ResolveDerivedFields(config::TrainerConfig* cfg) {
 
 std::string ResumeRelevantConfigText(const config::TrainerConfig& config) {
   config::TrainerConfig c = config;
-  for (const char* field : {"output_dir", "num_train_steps", "eval_every_steps", "summary_every_steps", "progress",
+  for (const char* field : {"output_dir", "num_train_steps", "eval_every_steps", "summary_every_steps", "progress", "progress_updates",
                             "weight_metrics", "num_threads", "backend", "device", "bucket_mb",
                             "collective_timeout_seconds", "coordination", "checkpoint"}) {
     const pb::FieldDescriptor* descriptor = c.GetDescriptor()->FindFieldByName(field);
@@ -225,6 +225,8 @@ absl::Status ValidateConfig(const config::TrainerConfig& c, int world_size) {
   check.Require(c.bucket_mb() > 0, "bucket_mb", "must be > 0", c.bucket_mb());
   check.Require(c.progress() == "auto" || c.progress() == "bar" || c.progress() == "lines", "progress",
                 "must be one of auto, bar, lines", c.progress());
+  check.Require(c.progress_updates() == "summary" || c.progress_updates() == "step", "progress_updates",
+                "must be summary or step", c.progress_updates());
   const auto& e = c.early_stopping();
   check.Require(e.mode() == "min" || e.mode() == "max", "early_stopping.mode", "must be min or max", e.mode());
   check.Require(e.patience() >= 0, "early_stopping.patience", "must be >= 0", e.patience());

@@ -551,8 +551,10 @@ int Train(const config::TrainerConfig& cfg, const Runtime& runtime, const std::s
   const int64_t period = cfg.eval_every_steps() > 0 ? cfg.eval_every_steps() : total;
   bool reported = false, proposed = false;
   std::optional<int64_t> sync_step;
+  const bool progress_every_step = progress && cfg.progress_updates() == "step";
   trainer.set_stop_check([&](int64_t step) {
     if (coordination) coordination->SetStep(step);
+    if (progress_every_step) progress->Step(step);
     const int signal = preemption_signal.load();
     if (signal != 0 || preemption_notice.load()) {
       if (coordination == nullptr) return true;  // alone: stop right here

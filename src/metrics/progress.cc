@@ -36,6 +36,7 @@ std::string ProgressBar::Line(int64_t step, double seconds, const MetricMap& met
 }
 
 void ProgressBar::operator()(const Summary& summary) {
+  absl::MutexLock lock(&mu_);
   if (summary.task != "train") {
     if (line_open_) std::fputc('\n', stream_);
     line_open_ = false;
@@ -43,14 +44,29 @@ void ProgressBar::operator()(const Summary& summary) {
     std::fflush(stream_);
     return;
   }
+  last_metrics_ = summary.metrics;
+  if (summary.step >= last_step_) Draw(summary.step, summary.metrics);
+}
+
+void ProgressBar::Step(int64_t step) {
+  const auto now = std::chrono::steady_clock::now();
+  absl::MutexLock lock(&mu_);
+  if (now - last_draw_ < min_interval && step < total_steps_) return;
+  Draw(step, last_metrics_);
+}
+
+void ProgressBar::Draw(int64_t step, const MetricMap& metrics) {
   if (first_step_ < 0) first_step_ = 0;
-  const double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start_).count();
-  std::fprintf(stream_, "\r%s\x1b[K", Line(summary.step, seconds, summary.metrics).c_str());
+  last_step_ = step;
+  last_draw_ = std::chrono::steady_clock::now();
+  const double seconds = std::chrono::duration<double>(last_draw_ - start_).count();
+  std::fprintf(stream_, "\r%s\x1b[K", Line(step, seconds, metrics).c_str());
   std::fflush(stream_);
   line_open_ = true;
 }
 
 void ProgressBar::Finish() {
+  absl::MutexLock lock(&mu_);
   if (line_open_) std::fputc('\n', stream_);
   line_open_ = false;
   std::fflush(stream_);

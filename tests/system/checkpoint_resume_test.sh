@@ -2,7 +2,8 @@
 # Bit-identical resume and preemption on 2 ranks under mpirun:
 #  1. 2N steps straight vs N steps, stop, resume for N more: the same metric lines
 #     and bitwise-equal parameters and optimizer state on both ranks;
-#  2. SIGTERM (or SIGUSR1) to a random rank at a random step: every rank saves an
+#     (and the same on 1 process, without mpirun);
+#  2. SIGTERM (twice) or SIGUSR1 to a random rank at a random step: every rank saves an
 #     emergency checkpoint at the same step and exits 75; the next start resumes
 #     and ends bitwise-equal to the straight run, with the same metric lines.
 # Usage: checkpoint_resume_test.sh SOURCE_DIR LOCKSTEP_TRAIN MPIRUN...
@@ -42,6 +43,16 @@ diff "$work/a.lines" "$work/b.lines" || fail "metric lines differ after stop + r
 same_state "$work/a" "$work/b" $total || fail "state differs after stop + resume"
 echo "OK: stop at $((total / 2)) + resume: $(wc -l < "$work/a.lines") metric lines and both shards bit-identical"
 
+# The same on one process.
+"$train" --set="$flags,num_train_steps=$total,output_dir=$work/one" > "$work/one.log" 2>&1 || fail "1 process"
+"$train" --set="$flags,num_train_steps=$((total / 2)),output_dir=$work/one_b" > "$work/one_b1.log" 2>&1
+"$train" --set="$flags,num_train_steps=$total,output_dir=$work/one_b" > "$work/one_b2.log" 2>&1
+lines "$work/one.log" > "$work/one.lines"
+lines "$work/one_b1.log" "$work/one_b2.log" > "$work/one_b.lines"
+diff "$work/one.lines" "$work/one_b.lines" || fail "1 process: metric lines differ after stop + resume"
+same_state "$work/one" "$work/one_b" $total || fail "1 process: state differs after stop + resume"
+echo "OK: 1 process, stop + resume: same metric lines, bit-identical shard"
+
 # 2. Preemption at a random step.
 for signal in TERM USR1; do
   dir="$work/c_$signal"
@@ -54,6 +65,7 @@ for signal in TERM USR1; do
   [[ ${#pids[@]} -eq 2 ]] || fail "expected 2 ranks under mpirun, found ${#pids[*]}"
   # Rank order of the children is not known; either one is "a random rank".
   kill -s "$signal" "${pids[$victim]}"
+  if [[ $signal == TERM ]]; then sleep 0.05; kill -s TERM "${pids[$victim]}" 2>/dev/null || true; fi  # a second signal
   set +e
   wait $launcher
   code=$?

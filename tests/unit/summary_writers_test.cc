@@ -7,6 +7,8 @@
 #include <filesystem>
 #include <fstream>
 #include <sstream>
+#include <string>
+#include <thread>
 
 #include "lockstep/errors.h"
 #include "lockstep/summary_writers.h"
@@ -149,6 +151,29 @@ TEST(ProgressBarTest, RedrawsTrainLinesAndPrintsEvalLinesBelow) {
   const std::string out = buffer;
   EXPECT_THAT(out, ::testing::HasSubstr("\r[###############...............] step 10/20"));
   EXPECT_THAT(out, ::testing::HasSubstr("step 20/20 loss 0.5000\x1b[K\nStep     20: test accuracy | 0.90000000\n"));
+}
+
+TEST(ProgressBarTest, StepUpdatesRedrawBetweenSummariesAtMostEveryInterval) {
+  char buffer[8192] = {};
+  std::FILE* stream = fmemopen(buffer, sizeof(buffer) - 1, "w");
+  {
+    ProgressBar bar(1000, stream);
+    bar.min_interval = std::chrono::milliseconds(50);
+    bar(Summary{"train", 10, {{kLoss, 1.0}}});
+    for (int step = 11; step <= 15; ++step) bar.Step(step);  // within the interval: no redraw
+    std::this_thread::sleep_for(std::chrono::milliseconds(60));
+    bar.Step(16);  // redrawn, with the last summary's loss
+    bar(Summary{"train", 12, {{kLoss, 0.7}}});  // a late summary does not move the bar back
+    bar.Step(1000);  // the last step is always drawn
+    bar.Finish();
+  }
+  std::fclose(stream);
+  const std::string out = buffer;
+  EXPECT_THAT(out, ::testing::Not(::testing::HasSubstr("step 11/1000")));
+  EXPECT_THAT(out, ::testing::HasSubstr("step 16/1000"));
+  EXPECT_THAT(out, ::testing::HasSubstr("loss 1.0000"));
+  EXPECT_THAT(out, ::testing::Not(::testing::HasSubstr("step 12/1000")));
+  EXPECT_THAT(out, ::testing::HasSubstr("step 1000/1000 loss 0.7000"));
 }
 
 TEST(CurvePlotterTest, WritesOneSvgPerMetricWithData) {
