@@ -40,7 +40,8 @@ status=$?
 set -e
 if [[ $status -eq 0 ]]; then echo "FAIL: mismatched configs exited 0"; cat "$work/bad.log"; exit 1; fi
 for rank in 0 1; do
-  if ! grep -q "rank $rank: error: data-parallel start-up check failed on rank $rank: rank 1 has a different config" "$work/bad.log"; then
+  # Each rank finds the difference itself, or hears it first from the other rank.
+  if ! grep -q -E "rank $rank: (error: |stopped: rank [01] \(host .*\) failed: )data-parallel start-up check failed on rank [01]: rank 1 has a different config" "$work/bad.log"; then
     echo "FAIL: rank $rank did not report the mismatch"; cat "$work/bad.log"; exit 1
   fi
 done
