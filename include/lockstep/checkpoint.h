@@ -66,6 +66,11 @@ struct CheckpointOptions {
   std::string best_metric;
   bool best_max = false;    // higher is better
   bool async = true;
+  // With async: parameters and optimizer state are copied by the background thread
+  // too, while the caller runs the next step's forward and backward; the caller
+  // must call AwaitSnapshot() before it changes them (Trainer does, through
+  // StepOptions::before_update). Buffers, RNG state and extras are copied at once.
+  bool overlap_copy = false;
   // "data_parallel_replicated": every rank's shard holds the whole state, so a
   // checkpoint loads on any world size.
   std::string partitioning = "data_parallel_replicated";
@@ -107,6 +112,9 @@ class CheckpointManager {
             bool emergency = false);
   // Blocks until the save in flight is committed; rethrows its failure.
   void Wait();
+  // Blocks until the save in flight has copied the state (overlap_copy); after it
+  // the caller may change parameters and optimizer state. Cheap when nothing waits.
+  void AwaitSnapshot();
   // Seconds the caller's thread spent in the last Save.
   double last_save_pause_seconds() const { return last_pause_seconds_; }
   const CheckpointOptions& options() const { return options_; }
@@ -136,7 +144,8 @@ class CheckpointManager {
   const int rank_;
   const int world_size_;
   CoordinationClient* const coordination_;  // Not owned.
-  std::future<void> in_flight_;  // the async save, if any
+  std::future<void> in_flight_;        // the async save, if any
+  std::shared_future<void> snapshot_;  // its copy of the state (overlap_copy)
   std::map<std::string, at::Tensor> staging_;  // async copies, reused from save to save
   double last_pause_seconds_ = 0;
 };

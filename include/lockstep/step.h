@@ -70,6 +70,10 @@ struct StepOptions {
   // (largest magnitude) and "weights/<name>/update_ratio" (||update|| / ||before||).
   // Costs a copy of the parameters per step.
   bool weight_metrics = false;
+  // Called right before the optimizer changes the parameters; an asynchronous
+  // checkpoint copying the previous step's state waits here (CheckpointManager::
+  // AwaitSnapshot), so that its copy overlaps this step's forward and backward.
+  std::function<void()> before_update;
 };
 
 // Runs one optimizer step on `state` (and increments state.step). The batch is

@@ -470,6 +470,12 @@ int Train(const config::TrainerConfig& cfg, const Runtime& runtime, const std::s
   options.data_parallel.collective.timeout =
       std::chrono::milliseconds(static_cast<int64_t>(cfg.collective_timeout_seconds() * 1000));
   options.fingerprint = ConfigToText(cfg);
+  // An async checkpoint copies the parameters while the next step's forward and
+  // backward run; the update waits for the copy.
+  CheckpointManager* checkpoints_for_update = nullptr;
+  options.step.before_update = [&checkpoints_for_update] {
+    if (checkpoints_for_update != nullptr) checkpoints_for_update->AwaitSnapshot();
+  };
   Trainer trainer(state, model.apply, CrossEntropyLoss(), options, runtime);
   // Rank 0 alone writes: stdout, TensorBoard events and JSONL, on a background
   // thread so that the training thread never waits on I/O.
@@ -528,10 +534,12 @@ int Train(const config::TrainerConfig& cfg, const Runtime& runtime, const std::s
   checkpoint_options.best_metric = cfg.checkpoint().best_metric();
   checkpoint_options.best_max = cfg.checkpoint().best_mode() == "max";
   checkpoint_options.async = cfg.checkpoint().async();
+  checkpoint_options.overlap_copy = cfg.checkpoint().overlap_copy();  // the update awaits the copy
   checkpoint_options.config_text = ResumeRelevantConfigText(cfg);
   checkpoint_options.config_fingerprint = StableHash(checkpoint_options.config_text);
   checkpoint_options.barrier_timeout = absl::Seconds(cfg.collective_timeout_seconds());
   CheckpointManager checkpoints(checkpoint_options, runtime.rank, runtime.world_size, coordination);
+  checkpoints_for_update = &checkpoints;
   ResumeIfAsked(checkpoints, state, train_data, trainer, runtime, coordination);
 
   MetricMap test;

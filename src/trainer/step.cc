@@ -156,6 +156,7 @@ MetricMap RunTrainStep(TrainState& state, const Batch& host_batch, const ApplyFn
   if (options.weight_metrics) {
     for (const auto& item : state.model->named_parameters()) before.emplace_back(item.key(), item.value().detach().clone());
   }
+  if (options.before_update) options.before_update();
   optimizer.step();
   ++state.step;
 

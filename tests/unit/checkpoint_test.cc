@@ -128,6 +128,28 @@ TEST(CheckpointTest, AsyncSaveCopiesTheStateBeforeReturning) {
   for (size_t i = 0; i < saved.size(); ++i) EXPECT_TRUE(at::equal(saved[i], restored[i]));
 }
 
+TEST(CheckpointTest, AnOverlappedCopyHoldsTheStateOfTheSaveOnceAwaited) {
+  TempDir dir;
+  TrainRun a = MakeSetup(OptimizerOptions::Kind::kAdam, 1);
+  ShardedBatchIterator data = Data();
+  TrainSteps(a, data, 2);
+  const std::vector<at::Tensor> saved = testing::Snapshot(*a.state.model);
+  CheckpointOptions options = Options(dir.path(), /*async=*/true);
+  options.overlap_copy = true;
+  CheckpointManager manager(options, 0, 1, nullptr);
+  manager.Save(a.state, ShardExtras{data.position(), ""}, {});
+  manager.AwaitSnapshot();  // from here the parameters may change
+  {
+    at::NoGradGuard no_grad;
+    for (at::Tensor& p : a.state.model->parameters()) p.mul_(-3.0);
+  }
+  manager.Wait();
+  TrainRun b = MakeSetup(OptimizerOptions::Kind::kAdam, 5);
+  manager.Restore(CheckpointManager::Validate(dir.file(CheckpointDirName(2))), b.state);
+  const auto restored = b.state.model->parameters();
+  for (size_t i = 0; i < saved.size(); ++i) EXPECT_TRUE(at::equal(saved[i], restored[i]));
+}
+
 // Saves steps 1..n of a tiny model.
 void SaveSteps(const std::string& dir, int n, CheckpointOptions options = {}) {
   if (options.directory.empty()) options = Options(dir);

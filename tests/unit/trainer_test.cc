@@ -150,7 +150,8 @@ TEST(TrainerTest, LearnsAndTheCallerHoldsTheTrainedState) {
 TEST(TrainerTest, RejectsAnIncompleteState) {
   TrainState empty;
   BuiltModel model = TinyModel(1);
-  EXPECT_THROW(Trainer(empty, model.apply, CrossEntropyLoss(), TrainerOptions{}), InvalidArgumentError);
+  TrainerOptions defaults;
+  EXPECT_THROW(Trainer(empty, model.apply, CrossEntropyLoss(), defaults), InvalidArgumentError);
   TrainState state = MakeTrainState(model.module, Adam());
   TrainerOptions bad;
   bad.summary_every_steps = 0;
