@@ -6,10 +6,11 @@ torch.nn.parallel.DistributedDataParallel over gloo on 127.0.0.1.
     /usr/bin/python3 benchmarks/ddp_benchmark.py --ranks 2 --model small_mlp --batch-per-rank 32
 
 Starts `--ranks` processes (torch.multiprocessing, spawn; TCP rendezvous on a
-free loopback port). Each process: the same process settings as Lockstep's
-ConfigureTorchForTraining (intra-op threads, single-threaded OpenBLAS, glibc
-malloc thresholds, denormals flushed), and by default the same core binding as
-mpirun (rank r on core r when there are enough cores). After warm-up, `rounds`
+free loopback port). Each process: `--threads` intra-op threads and OpenBLAS
+single-threaded, as on the Lockstep side; with --process-settings=lockstep
+also the rest of Lockstep's ConfigureTorchForTraining (glibc malloc kept off
+mmap, denormals flushed); and by default the same core binding as mpirun gives
+Lockstep's ranks (rank r on core r when there are enough cores). After warm-up, `rounds`
 rounds of steps/rounds DDP steps ("sync") and, on more than one rank, as many
 under DDP's no_sync() ("nosync": no all-reduce), a barrier between phases. Then
 a forward / backward / optimizer breakdown on the bare module. Rank 0 prints one
@@ -38,16 +39,22 @@ def parse_args(argv=None):
     p.add_argument("--bucket-mb", type=float, default=25.0, help="DDP bucket_cap_mb (DDP's default: 25)")
     p.add_argument("--bind", choices=["core", "none"], default="core",
                    help="core: rank r on core r, as mpirun binds Lockstep's ranks; none: no affinity")
+    p.add_argument("--process-settings", choices=["pytorch", "lockstep"], default="pytorch",
+                   help="pytorch: PyTorch as shipped plus the thread settings; lockstep: also the glibc malloc "
+                        "settings and denormal flushing of Lockstep's ConfigureTorchForTraining")
     return p.parse_args(argv)
 
 
-def process_settings(threads):
-    """What ConfigureTorchForTraining does for Lockstep, set before torch loads."""
-    os.environ["OPENBLAS_NUM_THREADS"] = "1"
-    os.environ["OMP_NUM_THREADS"] = str(threads)
-    os.environ.setdefault("MALLOC_MMAP_THRESHOLD_", str(32 << 20))
-    os.environ.setdefault("MALLOC_TRIM_THRESHOLD_", str(1 << 30))
+def process_settings(args):
+    """Set before torch loads (the spawned ranks inherit the environment)."""
+    os.environ["OPENBLAS_NUM_THREADS"] = "1"  # as Lockstep: OpenBLAS single-threaded
+    os.environ["OMP_NUM_THREADS"] = str(args.threads)
     os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
+    if args.process_settings == "lockstep":
+        # glibc reads these at process start: keep freed blocks in the heap, never mmap.
+        os.environ["MALLOC_MMAP_THRESHOLD_"] = str(32 << 20)
+        os.environ["MALLOC_TRIM_THRESHOLD_"] = str(1 << 30)
+        os.environ["MALLOC_MMAP_MAX_"] = "0"
 
 
 def build_model(torch, name):
@@ -75,7 +82,8 @@ def worker(rank, args, port, queue):
     if args.bind == "core" and args.ranks * args.threads <= cores:
         os.sched_setaffinity(0, set(range(rank * args.threads, (rank + 1) * args.threads)))
     torch.set_num_threads(args.threads)
-    torch.set_flush_denormal(True)
+    if args.process_settings == "lockstep":
+        torch.set_flush_denormal(True)
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=args.ranks)
 
     torch.manual_seed(0)
@@ -151,8 +159,9 @@ def worker(rank, args, port, queue):
             "framework": "ddp", "model": args.model, "ranks": args.ranks, "batch_per_rank": args.batch_per_rank,
             "threads": torch.get_num_threads(), "optimizer": args.optimizer,
             "parameters": sum(p.numel() for p in module.parameters() if p.requires_grad),
-            "gradient_bytes": grad_bytes, "bucket_bytes": int(args.bucket_mb * (1 << 20)),
-            "torch_version": torch.__version__, "bind": args.bind,
+            "gradient_bytes": grad_bytes,
+            "parameter_bytes": [p.numel() * p.element_size() for p in module.parameters()], "bucket_bytes": int(args.bucket_mb * (1 << 20)),
+            "torch_version": torch.__version__, "bind": args.bind, "process_settings": args.process_settings,
             "step_ms": [t * 1e3 for t in sync_times],
             "step_ms_median_per_rank": col(0), "nosync_step_ms_median_per_rank": col(1),
             "max_rss_mib_per_rank": col(2, 1.0),
@@ -174,7 +183,7 @@ def free_port():
 
 def main(argv=None):
     args = parse_args(argv)
-    process_settings(args.threads)
+    process_settings(args)
     import torch.multiprocessing as mp
 
     ctx = mp.get_context("spawn")

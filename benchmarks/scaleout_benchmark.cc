@@ -199,7 +199,11 @@ int RunTrain(Communicator& comm, const Runtime& runtime) {
   BuiltModel model = BuildModel(spec.options);
   TrainState state = MakeTrainState(model.module, MakeOptimizerFactory(Optimizer(absl::GetFlag(FLAGS_optimizer))));
   int64_t grad_bytes = 0;
-  for (const at::Tensor& p : state.model->parameters()) grad_bytes += p.numel() * p.element_size();
+  std::vector<double> parameter_bytes;  // in registration order
+  for (const at::Tensor& p : state.model->parameters()) {
+    grad_bytes += p.numel() * p.element_size();
+    parameter_bytes.push_back(static_cast<double>(p.numel() * p.element_size()));
+  }
 
   TrainerOptions options;
   options.summary_every_steps = 1 << 30;
@@ -279,6 +283,7 @@ int RunTrain(Communicator& comm, const Runtime& runtime) {
       .Str("optimizer", absl::GetFlag(FLAGS_optimizer))
       .Num("parameters", static_cast<double>(CountTrainableWeights(*state.model)))
       .Num("gradient_bytes", static_cast<double>(grad_bytes))
+      .Array("parameter_bytes", parameter_bytes)
       .Num("buckets", dp ? static_cast<double>(dp->bucketer().buckets().size()) : 0.0)
       .Num("bucket_bytes", static_cast<double>(options.data_parallel.bucket_bytes))
       .Array("step_ms", ms(sync_times))  // rank 0's, every timed step
