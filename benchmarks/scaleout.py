@@ -36,9 +36,9 @@ MODELS = ["small_mlp", "wide_mlp", "cnn"]
 MODEL_TITLES = {"small_mlp": "small MLP 784-256-256-10", "wide_mlp": "wide MLP 1024-4096-4096-1024",
                 "cnn": "Fashion-MNIST CNN"}
 # Per-rank batch, warm-up steps, timed steps per phase, sync/nosync alternations, breakdown steps.
-FULL = {"small_mlp": dict(batch=32, warmup=20, steps=150, rounds=3, breakdown=40),
-        "wide_mlp": dict(batch=32, warmup=2, steps=6, rounds=2, breakdown=3),
-        "cnn": dict(batch=64, warmup=4, steps=30, rounds=3, breakdown=6)}
+FULL = {"small_mlp": dict(batch=32, warmup=10, steps=100, rounds=2, breakdown=20),
+        "wide_mlp": dict(batch=32, warmup=2, steps=6, rounds=2, breakdown=2),
+        "cnn": dict(batch=64, warmup=3, steps=20, rounds=2, breakdown=4)}
 QUICK = {"small_mlp": dict(batch=32, warmup=2, steps=8, rounds=2, breakdown=4),
          "wide_mlp": dict(batch=8, warmup=1, steps=2, rounds=1, breakdown=1),
          "cnn": dict(batch=16, warmup=1, steps=4, rounds=2, breakdown=2)}
@@ -58,12 +58,12 @@ def parse_args(argv=None):
     p.add_argument("--build-dir", default=os.environ.get("BUILD_DIR", os.path.join(ROOT, "build")))
     p.add_argument("--models", default=",".join(MODELS))
     p.add_argument("--ranks", default=None, help="rank counts, e.g. 1,2,4 (default: 1 and powers of two up to the cores)")
-    p.add_argument("--rounds", type=int, default=None, help="interleaved repetitions of every run (default 2; quick 1)")
+    p.add_argument("--rounds", type=int, default=None, help="interleaved repetitions of every run (default 3; quick 1)")
     p.add_argument("--optimizer", choices=["sgd", "adam"], default="sgd")
     p.add_argument("--threads", type=int, default=1, help="intra-op threads per rank, both frameworks")
     p.add_argument("--ddp-variants", default=None,
                    help="comma-separated: pytorch (DDP as shipped), lockstep-env (DDP with Lockstep's malloc and "
-                        "denormal settings); default both, quick: pytorch")
+                        "denormal settings); default: pytorch")
     p.add_argument("--python", default="/usr/bin/python3", help="the Python with PyTorch for DDP")
     p.add_argument("--timeout", type=float, default=900, help="seconds per launch")
     c = p.add_argument_group("cluster projection")
@@ -246,6 +246,22 @@ def fit_allreduce(rows, n):
     return alpha, 1.0 / inv_b
 
 
+def measured_allreduce_s(rows):
+    """T(S) from the measured all-reduce times: log-log interpolation between the
+    measured sizes, proportional to S beyond the largest."""
+    pts = sorted((r["bytes"], r["lockstep_s"]) for r in rows)
+
+    def t(nbytes):
+        if nbytes <= pts[0][0]:
+            return pts[0][1]
+        for (s0, t0), (s1, t1) in zip(pts, pts[1:]):
+            if nbytes <= s1:
+                w = math.log(nbytes / s0) / math.log(s1 / s0)
+                return math.exp(math.log(t0) + w * (math.log(t1) - math.log(t0)))
+        return pts[-1][1] * nbytes / pts[-1][0]
+    return t
+
+
 def compute_parts(entry, step_s):
     """Forward / backward / optimizer from the breakdown loop, scaled to the
     measured compute of the step; 'other' is the rest (Trainer bookkeeping)."""
@@ -286,8 +302,8 @@ def main(argv=None):
         if m not in MODELS:
             sys.exit(f"scaleout: unknown model '{m}' (known: {', '.join(MODELS)})")
     configs = QUICK if args.quick else FULL
-    rounds = args.rounds or (1 if args.quick else 2)
-    variants = (args.ddp_variants or ("pytorch" if args.quick else "pytorch,lockstep-env")).split(",")
+    rounds = args.rounds or (1 if args.quick else 3)
+    variants = (args.ddp_variants or "pytorch").split(",")
     for v in variants:
         if v not in DDP_VARIANTS:
             sys.exit(f"scaleout: unknown DDP variant '{v}' (known: {', '.join(DDP_VARIANTS)})")
@@ -410,13 +426,19 @@ def main(argv=None):
             compute_2 = (two["nosync_step_ms"] or one["step_ms"]) / 1e3
             parts = compute_parts(two, compute_2)
             predicted, comm = predict_step_s(parts, buckets, ar)
+            # The same model with the all-reduce time measured at each bucket's size
+            # (the single alpha/B fit misses that cache-resident messages are faster).
+            predicted_m, comm_m = predict_step_s(parts, buckets, measured_allreduce_s(collectives["2"]))
             cost["check"][model] = {
                 "buckets_bytes": buckets,
                 "compute_ms": compute_2 * 1e3,
                 "predicted_comm_ms": comm * 1e3,
                 "predicted_step_ms": predicted * 1e3,
+                "predicted_comm_ms_measured_allreduce": comm_m * 1e3,
+                "predicted_step_ms_measured_allreduce": predicted_m * 1e3,
                 "measured_step_ms": two["step_ms"],
                 "predicted_efficiency": one["step_ms"] / (predicted * 1e3),
+                "predicted_efficiency_measured_allreduce": one["step_ms"] / (predicted_m * 1e3),
                 "measured_efficiency": two["efficiency"],
             }
     cluster = {"hosts": args.hosts, "gpus_per_host": args.gpus_per_host, "nvlink_gbps": args.nvlink_gbps,
@@ -511,11 +533,14 @@ def print_report(results, frameworks):
     if cost:
         print_table(f"Cost model against this machine, 2 ranks (alpha {cost['alpha_us']:.1f} us, bus bandwidth "
                     f"{cost['bus_bandwidth_gbps']:.2f} GB/s fitted on Lockstep's all-reduce)",
-                    ["model", "buckets", "compute ms", "comm ms", "predicted ms", "measured ms", "predicted eff",
-                     "measured eff"],
+                    ["model", "buckets", "compute ms", "comm ms", "predicted ms", "eff", "| T(S) measured: comm ms",
+                     "predicted ms", "eff", "| measured ms", "eff"],
                     [[model, len(ch["buckets_bytes"]), fmt(ch["compute_ms"], ".3f"), fmt(ch["predicted_comm_ms"], ".3f"),
-                      fmt(ch["predicted_step_ms"], ".3f"), fmt(ch["measured_step_ms"], ".3f"),
-                      fmt(ch["predicted_efficiency"]), fmt(ch["measured_efficiency"])]
+                      fmt(ch["predicted_step_ms"], ".3f"), fmt(ch["predicted_efficiency"]),
+                      fmt(ch["predicted_comm_ms_measured_allreduce"], ".3f"),
+                      fmt(ch["predicted_step_ms_measured_allreduce"], ".3f"),
+                      fmt(ch["predicted_efficiency_measured_allreduce"]), fmt(ch["measured_step_ms"], ".3f"),
+                      fmt(ch["measured_efficiency"])]
                      for model, ch in cost["check"].items()])
     p = results["projection"]
     cl = p["cluster"]

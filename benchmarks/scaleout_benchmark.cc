@@ -287,6 +287,7 @@ int RunTrain(Communicator& comm, const Runtime& runtime) {
       .Num("buckets", dp ? static_cast<double>(dp->bucketer().buckets().size()) : 0.0)
       .Num("bucket_bytes", static_cast<double>(options.data_parallel.bucket_bytes))
       .Array("step_ms", ms(sync_times))  // rank 0's, every timed step
+      .Array("nosync_step_ms", ms(nosync_times))
       .Array("step_ms_median_per_rank", ms(column(0)))
       .Array("nosync_step_ms_median_per_rank", ms(column(1)))
       .Array("comm_wait_ms_median_per_rank", ms(column(2)))
