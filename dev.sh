@@ -5,6 +5,7 @@
 #   ./dev.sh train [lockstep_train flags]  the main job: a CNN on Fashion-MNIST, 2 ranks under mpirun
 #   ./dev.sh test  [ctest flags]           the whole test suite
 #   ./dev.sh bench [benchmark flags]       Trainer vs hand-written step benchmark
+#   ./dev.sh scaleout [flags]              scale-out suite vs PyTorch DDP (benchmarks/scaleout.sh --help)
 #   ./dev.sh build                         install and build only
 #
 # Environment: BUILD_DIR (default: build), LOCKSTEP_RANKS (default: 2) for train,
@@ -19,7 +20,7 @@ PACKAGES=(
   libprotobuf-dev protobuf-compiler libgrpc++-dev protobuf-compiler-grpc libabsl-dev
   libopenmpi-dev openmpi-bin
   libgtest-dev libgmock-dev libbenchmark-dev python3-protobuf
-  dataset-fashion-mnist
+  dataset-fashion-mnist python3-torch
 )
 
 log() { printf '[dev.sh] %s\n' "$*" >&2; }
@@ -66,8 +67,11 @@ case "$command" in
   bench)
     build
     exec "$BUILD_DIR/benchmarks/trainer_step_benchmark" "$@" ;;
+  scaleout)
+    build
+    BUILD_DIR=$BUILD_DIR exec benchmarks/scaleout.sh --no-build "$@" ;;
   *)
-    sed -n '2,11p' "$0" | sed 's/^# \{0,1\}//'
+    sed -n '2,12p' "$0" | sed 's/^# \{0,1\}//'
     [[ -z "$command" ]] && exit 2
     log "unknown command '$command'"; exit 2 ;;
 esac

@@ -15,8 +15,11 @@
 // parameter's gradient accumulator marks it ready; as soon as every gradient of a
 // bucket is final, the bucket's all-reduce starts while backward goes on. Buckets
 // start in index order on every rank (the SPMD rule), whatever order hooks fire.
-// Finish() starts what remains (a parameter without a gradient counts as zero),
-// waits, and writes the summed gradients back. Arm it only for the last
+// Finish() starts what remains (a parameter without a gradient counts as zero)
+// and waits. The parameters' .grad live in the bucket buffers (plain tensors on
+// their storage, set by Arm), so backward accumulates into what is all-reduced and
+// the sums are the gradients, with no copy either way; a .grad replaced since (set
+// to none, say) is copied in and pointed back. Arm it only for the last
 // microbatch: earlier ones accumulate locally without communication.
 //
 // Not thread-safe: one training thread (autograd runs CPU hooks on it).
@@ -69,6 +72,10 @@ class GradientBucketer {
   const std::vector<std::vector<size_t>>& buckets() const;
   // Buckets launched from autograd hooks (before Finish) in the last step.
   int launched_during_backward() const;
+  // Seconds the training thread has spent blocked in Finish waiting for bucket
+  // all-reduces, summed since construction: the communication that backward did
+  // not hide. Two clock reads per bucket.
+  double wait_seconds() const;
 
  private:
   struct State;
@@ -92,11 +99,23 @@ class DataParallel {
 
   // Sums a float64 CPU tensor in place across ranks.
   void AllReduceSum(at::Tensor& values);
+  // The same, started now; finish it with Wait(). `values` must stay untouched
+  // until then.
+  std::shared_ptr<Work> AllReduceSumAsync(const at::Tensor& values);
+  // Waits for a handle from AllReduceSumAsync, counting the time as communication
+  // wait. Errors: those of Work::Wait.
+  void Wait(Work& work);
+
+  // Seconds the training thread has spent blocked on communication since
+  // construction: gradient buckets (GradientBucketer::wait_seconds) plus the
+  // AllReduceSum calls and Waits (the batch weight and the step's metrics).
+  double communication_wait_seconds() const;
 
  private:
   Communicator* const communicator_;  // Not owned.
   const DataParallelOptions options_;
   GradientBucketer bucketer_;
+  double all_reduce_sum_seconds_ = 0.0;
 };
 
 // A 64-bit FNV-1a hash, stable across processes and runs (unlike std::hash).

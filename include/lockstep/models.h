@@ -9,6 +9,7 @@
 #include <cstdint>
 #include <memory>
 #include <string>
+#include <vector>
 
 #include "lockstep/step.h"
 
@@ -20,6 +21,9 @@ struct ModelOptions {
   int64_t height = 28;
   int64_t width = 28;
   int64_t hidden_units = 128;
+  // MLP only: the widths of its hidden layers, in order. Empty means one hidden
+  // layer of `hidden_units` (the CNN always has one, of `hidden_units`).
+  std::vector<int64_t> hidden_layers;
   int64_t num_classes = 10;
   double dropout = 0.0;
 };
@@ -36,7 +40,9 @@ class CnnImpl : public torch::nn::Module {
   torch::nn::Sequential layers_;
 };
 
-// flatten -> linear(hidden) -> ReLU -> [dropout] -> linear(num_classes).
+// flatten -> (linear(hidden) -> ReLU -> [dropout]) per hidden layer ->
+// linear(num_classes). The hidden widths are `hidden_layers`, or one layer of
+// `hidden_units` when that is empty: {256, 256} on 28x28 inputs is 784-256-256-10.
 class MlpImpl : public torch::nn::Module {
  public:
   explicit MlpImpl(const ModelOptions& options);

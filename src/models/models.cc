@@ -7,6 +7,7 @@
 #include <torch/nn/modules/pooling.h>
 
 #include <string>
+#include <vector>
 
 #include "lockstep/errors.h"
 
@@ -20,13 +21,22 @@ void CheckSizes(const ModelOptions& o) {
   if (!(o.dropout >= 0 && o.dropout < 1)) {
     throw InvalidArgumentError("model '" + o.name + "': dropout must be in [0, 1), got " + std::to_string(o.dropout));
   }
+  for (const int64_t width : o.hidden_layers) {
+    if (width <= 0) throw InvalidArgumentError("model '" + o.name + "': hidden layer widths must be positive");
+  }
 }
 
-void AddHead(torch::nn::Sequential& layers, int64_t features, const ModelOptions& o) {
-  layers->push_back(torch::nn::Linear(features, o.hidden_units));
-  layers->push_back(torch::nn::ReLU());
-  if (o.dropout > 0) layers->push_back(torch::nn::Dropout(o.dropout));
-  layers->push_back(torch::nn::Linear(o.hidden_units, o.num_classes));
+// Hidden layers of the given widths (each linear -> ReLU -> [dropout]), then the
+// classifier.
+void AddHead(torch::nn::Sequential& layers, int64_t features, const std::vector<int64_t>& hidden,
+             const ModelOptions& o) {
+  for (const int64_t width : hidden) {
+    layers->push_back(torch::nn::Linear(features, width));
+    layers->push_back(torch::nn::ReLU());
+    if (o.dropout > 0) layers->push_back(torch::nn::Dropout(o.dropout));
+    features = width;
+  }
+  layers->push_back(torch::nn::Linear(features, o.num_classes));
 }
 
 }  // namespace
@@ -44,7 +54,7 @@ CnnImpl::CnnImpl(const ModelOptions& o) {
   layers_->push_back(torch::nn::ReLU());
   layers_->push_back(torch::nn::MaxPool2d(torch::nn::MaxPool2dOptions(2)));
   layers_->push_back(torch::nn::Flatten());
-  AddHead(layers_, 64 * (o.height / 4) * (o.width / 4), o);
+  AddHead(layers_, 64 * (o.height / 4) * (o.width / 4), {o.hidden_units}, o);
   register_module("layers", layers_);
 }
 
@@ -53,7 +63,8 @@ at::Tensor CnnImpl::forward(const at::Tensor& x) { return layers_->forward(x); }
 MlpImpl::MlpImpl(const ModelOptions& o) {
   CheckSizes(o);
   layers_->push_back(torch::nn::Flatten());
-  AddHead(layers_, o.in_channels * o.height * o.width, o);
+  const std::vector<int64_t> hidden = o.hidden_layers.empty() ? std::vector<int64_t>{o.hidden_units} : o.hidden_layers;
+  AddHead(layers_, o.in_channels * o.height * o.width, hidden, o);
   register_module("layers", layers_);
 }
 

@@ -2,11 +2,13 @@
 
 #include <ATen/ATen.h>
 #include <ATen/core/grad_mode.h>
+#include <c10/util/strides.h>
 #include <torch/csrc/autograd/function.h>
 #include <torch/csrc/autograd/utils/lambda_post_hook.h>
 #include <torch/csrc/autograd/variable.h>
 #include <torch/nn/module.h>
 
+#include <chrono>
 #include <sstream>
 
 #include "absl/strings/numbers.h"
@@ -39,6 +41,10 @@ struct GradientBucketer::State {
   CollectiveOptions collective;
   std::vector<at::Tensor> parameters;
   std::vector<size_t> bucket_of;  // parameter index -> bucket
+  // Parameter index -> its slice of its bucket's flat buffer, shaped like it. The
+  // parameters' .grad are these views, so that backward accumulates straight into
+  // the buffers that are all-reduced (no copy in or out).
+  std::vector<at::Tensor> views;
   std::vector<Bucket> buckets;
   std::vector<std::vector<size_t>> layout;
   std::vector<std::pair<std::shared_ptr<torch::autograd::Node>, uintptr_t>> hooks;
@@ -46,6 +52,7 @@ struct GradientBucketer::State {
   size_t next_to_launch = 0;
   int launched_during_backward = 0;
   size_t bucket_bytes = 0;
+  double wait_seconds = 0.0;  // blocked in Finish, summed
   // The order in which gradients became final in the first synchronised backward;
   // the buckets are rebuilt in rank 0's order after it.
   std::vector<size_t> ready_order;
@@ -69,12 +76,49 @@ struct GradientBucketer::State {
       bucket_of[i] = buckets.size() - 1;
       bytes += size;
     }
+    at::NoGradGuard no_grad;
     for (Bucket& bucket : buckets) {
       int64_t numel = 0;
       for (size_t p : bucket.params) numel += parameters[p].numel();
       bucket.flat = at::zeros({numel}, parameters[bucket.params.front()].options().requires_grad(false));
+      int64_t offset = 0;
+      for (size_t p : bucket.params) {
+        at::Tensor& param = parameters[p];
+        // A plain tensor on the bucket's storage rather than an autograd view of
+        // it, so that optimizers may detach_() and zero_() it like any gradient.
+        at::Tensor view = at::empty({0}, bucket.flat.options());
+        view.set_(bucket.flat.storage(), bucket.flat.storage_offset() + offset, param.sizes(),
+                  c10::contiguous_strides(param.sizes()));
+        offset += param.numel();
+        // Gradients already there (the rebuild after the first step) move into the
+        // new buffers.
+        if (param.grad().defined()) {
+          view.copy_(param.grad());
+          param.mutable_grad() = view;
+        }
+        views[p] = std::move(view);
+      }
       layout.push_back(bucket.params);
     }
+  }
+
+  bool GradIsView(size_t p) const {
+    const at::Tensor& grad = parameters[p].grad();
+    return grad.defined() && grad.data_ptr() == views[p].data_ptr() && grad.sizes() == views[p].sizes();
+  }
+
+  // Makes parameter p's .grad its bucket view, keeping the gradient's value (zero
+  // when it has none). Only when something replaced it: a user's zero_grad that
+  // sets gradients to none, or the first backward.
+  void PointGradAtView(size_t p) {
+    if (GradIsView(p)) return;
+    at::Tensor& param = parameters[p];
+    if (param.grad().defined()) {
+      views[p].copy_(param.grad());
+    } else {
+      views[p].zero_();
+    }
+    param.mutable_grad() = views[p];
   }
 
   // After the first synchronised step: every rank takes rank 0's ready order.
@@ -95,18 +139,18 @@ struct GradientBucketer::State {
 
   void Launch(size_t b) {
     Bucket& bucket = buckets[b];
-    int64_t offset = 0;
     {
+      // Normally every gradient already is its view (Arm made it so). Not when a
+      // hook or the user replaced one since: its value is copied in.
       at::NoGradGuard no_grad;
       for (size_t p : bucket.params) {
-        const at::Tensor& param = parameters[p];
-        at::Tensor slice = bucket.flat.narrow(0, offset, param.numel());
-        if (param.grad().defined()) {
-          slice.copy_(param.grad().reshape({-1}));
+        if (GradIsView(p)) continue;
+        const at::Tensor& grad = parameters[p].grad();
+        if (grad.defined()) {
+          views[p].copy_(grad);
         } else {
-          slice.zero_();
+          views[p].zero_();  // no gradient counts as zero
         }
-        offset += param.numel();
       }
     }
     bucket.work = communicator->AllReduceAsync(bucket.flat, ReduceOp::kSum, collective);
@@ -137,6 +181,7 @@ GradientBucketer::GradientBucketer(Communicator* communicator, std::vector<at::T
   s.collective = options.collective;
   s.parameters = std::move(parameters);
   s.bucket_of.assign(s.parameters.size(), 0);
+  s.views.resize(s.parameters.size());
   s.bucket_bytes = options.bucket_bytes;
   // Until the first backward shows the real order: reverse registration order,
   // which is roughly the order backward produces gradients in.
@@ -164,6 +209,12 @@ GradientBucketer::~GradientBucketer() {
 
 void GradientBucketer::Arm() {
   State& s = *state_;
+  {
+    at::NoGradGuard no_grad;
+    for (size_t p = 0; p < s.parameters.size(); ++p) {
+      if (s.parameters[p].requires_grad()) s.PointGradAtView(p);
+    }
+  }
   for (State::Bucket& bucket : s.buckets) {
     bucket.pending = 0;
     for (size_t p : bucket.params) bucket.pending += s.parameters[p].requires_grad() ? 1 : 0;
@@ -182,17 +233,12 @@ void GradientBucketer::Finish() {
   while (s.next_to_launch < s.buckets.size()) s.Launch(s.next_to_launch++);
   at::NoGradGuard no_grad;
   for (State::Bucket& bucket : s.buckets) {
+    const auto wait_start = std::chrono::steady_clock::now();
     bucket.work->Wait();
-    int64_t offset = 0;
+    s.wait_seconds += std::chrono::duration<double>(std::chrono::steady_clock::now() - wait_start).count();
+    // The sums are in the views; a gradient that is not one (see Launch) becomes one.
     for (size_t p : bucket.params) {
-      at::Tensor& param = s.parameters[p];
-      const at::Tensor summed = bucket.flat.narrow(0, offset, param.numel()).view(param.sizes());
-      if (param.grad().defined()) {
-        param.mutable_grad().copy_(summed);
-      } else {
-        param.mutable_grad() = summed.clone();
-      }
-      offset += param.numel();
+      if (!s.GradIsView(p)) s.parameters[p].mutable_grad() = s.views[p];
     }
   }
   if (!s.rebuilt) s.RebuildFromReadyOrder();
@@ -200,6 +246,7 @@ void GradientBucketer::Finish() {
 
 const std::vector<std::vector<size_t>>& GradientBucketer::buckets() const { return state_->layout; }
 int GradientBucketer::launched_during_backward() const { return state_->launched_during_backward; }
+double GradientBucketer::wait_seconds() const { return state_->wait_seconds; }
 
 namespace {
 
@@ -275,7 +322,23 @@ DataParallel::DataParallel(Communicator* communicator, torch::nn::Module& model,
 }
 
 void DataParallel::AllReduceSum(at::Tensor& values) {
+  const auto start = std::chrono::steady_clock::now();
   communicator_->AllReduce(values, ReduceOp::kSum, options_.collective);
+  all_reduce_sum_seconds_ += std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+}
+
+std::shared_ptr<Work> DataParallel::AllReduceSumAsync(const at::Tensor& values) {
+  return communicator_->AllReduceAsync(values, ReduceOp::kSum, options_.collective);
+}
+
+void DataParallel::Wait(Work& work) {
+  const auto start = std::chrono::steady_clock::now();
+  work.Wait();
+  all_reduce_sum_seconds_ += std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+}
+
+double DataParallel::communication_wait_seconds() const {
+  return bucketer_.wait_seconds() + all_reduce_sum_seconds_;
 }
 
 }  // namespace lockstep

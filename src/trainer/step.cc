@@ -97,12 +97,22 @@ MetricMap RunTrainStep(TrainState& state, const Batch& host_batch, const ApplyFn
   optimizer.zero_grad();
   const bool weighted = batch.weights.defined();
   double total_weight = weighted ? batch.weights.sum().item<double>() : static_cast<double>(n);
-  if (data_parallel != nullptr) {  // normalise by the weight of the global batch
-    at::Tensor global = at::tensor({total_weight}, at::kDouble);
-    data_parallel->AllReduceSum(global);
-    total_weight = global.item<double>();
+  // Data-parallel: the loss is normalised by the weight of the global batch, summed
+  // over ranks while the first microbatch's forward runs.
+  at::Tensor global_weight;
+  std::shared_ptr<Work> global_weight_work;
+  if (data_parallel != nullptr) {
+    global_weight = at::tensor({total_weight}, at::kDouble);
+    global_weight_work = data_parallel->AllReduceSumAsync(global_weight);
   }
-  if (!(total_weight > 0)) throw InvalidArgumentError("train step: example weights must sum to a positive value");
+  auto await_total_weight = [&] {
+    if (global_weight_work) {
+      data_parallel->Wait(*global_weight_work);
+      global_weight_work.reset();
+      total_weight = global_weight.item<double>();
+    }
+    if (!(total_weight > 0)) throw InvalidArgumentError("train step: example weights must sum to a positive value");
+  };
 
   // k microbatches whose sizes differ by at most one.
   const int64_t k = std::min<int64_t>(options.num_microbatches, n);
@@ -119,6 +129,7 @@ MetricMap RunTrainStep(TrainState& state, const Batch& host_batch, const ApplyFn
     at::Tensor weights;
     if (weighted) weights = batch.weights.narrow(0, offset, size).to(per_example.scalar_type());
     const at::Tensor summed = weighted ? per_example.mul(weights).sum() : per_example.sum();
+    if (i == 0) await_total_weight();
     // Only the last microbatch's backward communicates.
     if (data_parallel != nullptr && i == k - 1) data_parallel->bucketer().Arm();
     summed.div(total_weight).backward();
@@ -132,19 +143,22 @@ MetricMap RunTrainStep(TrainState& state, const Batch& host_batch, const ApplyFn
     }
     offset += size;
   }
+  await_total_weight();  // a rank with an empty shard ran no microbatch
 
   if (data_parallel != nullptr) data_parallel->bucketer().Finish();
 
-  // loss sum, correct sum, examples, whether accuracy applies: summed over ranks.
+  // loss sum, correct sum, examples, whether accuracy applies: summed over ranks
+  // while the optimizer steps.
   at::Tensor stats = at::zeros({4}, at::kDouble);
-  if (loss_sum.defined()) stats[0] = loss_sum.item<double>();
+  auto* global = stats.data_ptr<double>();
+  if (loss_sum.defined()) global[0] = loss_sum.item<double>();
   if (correct_sum.defined()) {
-    stats[1] = correct_sum.item<double>();
-    stats[3] = 1;
+    global[1] = correct_sum.item<double>();
+    global[3] = 1;
   }
-  stats[2] = static_cast<double>(n);
-  if (data_parallel != nullptr) data_parallel->AllReduceSum(stats);
-  const auto* global = stats.data_ptr<double>();
+  global[2] = static_cast<double>(n);
+  std::shared_ptr<Work> stats_work;
+  if (data_parallel != nullptr) stats_work = data_parallel->AllReduceSumAsync(stats);
 
   double grad_norm = 0.0;
   if (options.max_grad_norm > 0) {
@@ -159,6 +173,7 @@ MetricMap RunTrainStep(TrainState& state, const Batch& host_batch, const ApplyFn
   if (options.before_update) options.before_update();
   optimizer.step();
   ++state.step;
+  if (stats_work) data_parallel->Wait(*stats_work);
 
   MetricMap metrics;
   metrics[kLoss] = global[0] / total_weight;

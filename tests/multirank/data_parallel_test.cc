@@ -121,6 +121,34 @@ TEST_F(DataParallelTest, NRanksUpdateExactlyAsOneRankWithTheWholeBatch) {
   }
 }
 
+TEST_F(DataParallelTest, GradientsLiveInTheBucketBuffersAndReplacedOnesStillCount) {
+  BuiltModel model = TinyModel(1);
+  std::vector<at::Tensor> params = model.module->parameters();
+  ASSERT_GE(params.size(), 3u);
+  GradientBucketer bucketer(comm_.get(), params, DataParallelOptions{});  // one bucket
+  ASSERT_EQ(bucketer.buckets().size(), 1u);
+  const double sum = size_ * (size_ + 1) / 2.0;  // every rank adds rank + 1
+  for (at::Tensor& p : params) p.mutable_grad() = at::full_like(p, rank_ + 1);
+  bucketer.Arm();
+  bucketer.Finish();
+  const void* storage = params[0].grad().storage().data();
+  for (const at::Tensor& p : params) {
+    EXPECT_EQ(p.grad().storage().data(), storage) << "every gradient is a slice of the one bucket";
+    EXPECT_TRUE(at::allclose(p.grad(), at::full_like(p, sum)));
+  }
+  // An optimizer's zero_grad keeps them there; a gradient replaced by a new tensor
+  // or set to none is copied in (none counts as zero) and pointed back.
+  MakeOptimizerFactory(OptimizerOptions{})(params)->zero_grad();
+  params[0].mutable_grad() = at::full_like(params[0], 1.0);
+  params[1].mutable_grad() = at::Tensor();
+  bucketer.Arm();
+  bucketer.Finish();
+  EXPECT_TRUE(at::allclose(params[0].grad(), at::full_like(params[0], size_)));
+  EXPECT_TRUE(at::allclose(params[1].grad(), at::zeros_like(params[1])));
+  EXPECT_TRUE(at::allclose(params[2].grad(), at::zeros_like(params[2])));
+  for (const at::Tensor& p : params) EXPECT_EQ(p.grad().storage().data(), params[0].grad().storage().data());
+}
+
 TEST_F(DataParallelTest, EvalIsReducedOverRanks) {
   BuiltModel model = TinyModel(7);
   TrainState state = MakeTrainState(model.module, Factory(OptimizerOptions::Kind::kAdam));
@@ -137,7 +165,8 @@ TEST_F(DataParallelTest, EvalIsReducedOverRanks) {
   const MetricMap ours = trainer.Eval({{"test", &shard}}).front().second;
 
   TrainState alone = MakeTrainState(TinyModel(7).module, Factory(OptimizerOptions::Kind::kAdam));
-  Trainer single(alone, model.apply, CrossEntropyLoss(), TrainerOptions{});
+  const TrainerOptions defaults;
+  Trainer single(alone, model.apply, CrossEntropyLoss(), defaults);
   sharding.rank = 0;
   sharding.world_size = 1;
   ShardedBatchIterator whole(TinyDataset(203, 9), sharding);

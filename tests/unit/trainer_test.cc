@@ -275,5 +275,23 @@ TEST(BaseTrainerTest, AnActionStopsTrainingAtTheRightStep) {
   EXPECT_EQ(state.step, 4) << "a halted trainer does not train on";
 }
 
+TEST(ModelsTest, MlpHiddenLayersGiveTheListedWidths) {
+  ModelOptions o;
+  o.name = "mlp";
+  o.hidden_layers = {256, 256};
+  BuiltModel model = BuildModel(o);
+  std::vector<std::vector<int64_t>> shapes;
+  for (const at::Tensor& p : model.module->parameters()) shapes.push_back(p.sizes().vec());
+  EXPECT_THAT(shapes, ElementsAre(ElementsAre(256, 784), ElementsAre(256), ElementsAre(256, 256), ElementsAre(256),
+                                  ElementsAre(10, 256), ElementsAre(10)));
+  EXPECT_EQ(CountTrainableWeights(*model.module), 784 * 256 + 256 + 256 * 256 + 256 + 256 * 10 + 10);
+  EXPECT_EQ(model.apply(*model.module, at::zeros({3, 1, 28, 28})).sizes(), (std::vector<int64_t>{3, 10}));
+
+  o.hidden_layers.clear();  // one layer of hidden_units, as before
+  EXPECT_EQ(BuildModel(o).module->parameters().size(), 4u);
+  o.hidden_layers = {8, 0};
+  EXPECT_THROW(BuildModel(o), InvalidArgumentError);
+}
+
 }  // namespace
 }  // namespace lockstep

@@ -330,8 +330,11 @@ class MpiCommunicator final : public Communicator {
 
   // Tests the requests until all complete, or throws at the deadline or on Abort.
   // Open MPI progresses non-blocking collectives only inside MPI calls, so the
-  // worker polls: it spins for the first millisecond (a peer's message usually
-  // arrives within it), then sleeps between polls so the cores stay with compute.
+  // worker polls: for the first millisecond it polls back to back (a peer's
+  // message usually arrives within it), yielding the core between polls to a
+  // training thread that shares it (one core per rank: the training thread goes on
+  // with backward instead of waiting for the spin to end), then it sleeps between
+  // polls so the cores stay with compute.
   void Drive(MPI_Request* requests, int count, Clock::time_point deadline) {
     const Clock::time_point spin_until = Clock::now() + std::chrono::milliseconds(1);
     while (true) {
@@ -341,7 +344,11 @@ class MpiCommunicator final : public Communicator {
       const Clock::time_point now = Clock::now();
       if (now > deadline) throw CollectiveTimeoutError("deadline passed");
       if (aborted_.load(std::memory_order_acquire)) ThrowAborted();
-      if (now > spin_until) std::this_thread::sleep_for(std::chrono::microseconds(20));
+      if (now > spin_until) {
+        std::this_thread::sleep_for(std::chrono::microseconds(20));
+      } else {
+        std::this_thread::yield();
+      }
     }
   }
 

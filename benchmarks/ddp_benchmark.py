@@ -1,0 +1,197 @@
+#!/usr/bin/python3
+"""The PyTorch DDP half of the scale-out suite: the same models, batches,
+optimizer and thread settings as scaleout_benchmark.cc, trained by
+torch.nn.parallel.DistributedDataParallel over gloo on 127.0.0.1.
+
+    /usr/bin/python3 benchmarks/ddp_benchmark.py --ranks 2 --model small_mlp --batch-per-rank 32
+
+Starts `--ranks` processes (torch.multiprocessing, spawn; TCP rendezvous on a
+free loopback port). Each process: `--threads` intra-op threads and OpenBLAS
+single-threaded, as on the Lockstep side; with --process-settings=lockstep
+also the rest of Lockstep's ConfigureTorchForTraining (glibc malloc kept off
+mmap, denormals flushed); and by default the same core binding as mpirun gives
+Lockstep's ranks (rank r on core r when there are enough cores). After warm-up, `rounds`
+rounds of steps/rounds DDP steps ("sync") and, on more than one rank, as many
+under DDP's no_sync() ("nosync": no all-reduce), a barrier between phases. Then
+a forward / backward / optimizer breakdown on the bare module. Rank 0 prints one
+JSON object on the last line of stdout, with the same keys as the Lockstep side.
+"""
+import argparse
+import json
+import os
+import socket
+import statistics
+import sys
+import time
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--ranks", type=int, default=2)
+    p.add_argument("--model", default="small_mlp", choices=["small_mlp", "wide_mlp", "cnn"])
+    p.add_argument("--batch-per-rank", type=int, default=32)
+    p.add_argument("--optimizer", default="sgd", choices=["sgd", "adam"])
+    p.add_argument("--threads", type=int, default=1, help="intra-op threads per rank")
+    p.add_argument("--warmup-steps", type=int, default=5)
+    p.add_argument("--steps", type=int, default=40, help="timed steps per phase, spread over the rounds")
+    p.add_argument("--rounds", type=int, default=4)
+    p.add_argument("--breakdown-steps", type=int, default=10)
+    p.add_argument("--bucket-mb", type=float, default=25.0, help="DDP bucket_cap_mb (DDP's default: 25)")
+    p.add_argument("--bind", choices=["core", "none"], default="core",
+                   help="core: rank r on core r, as mpirun binds Lockstep's ranks; none: no affinity")
+    p.add_argument("--process-settings", choices=["pytorch", "lockstep"], default="pytorch",
+                   help="pytorch: PyTorch as shipped plus the thread settings; lockstep: also the glibc malloc "
+                        "settings and denormal flushing of Lockstep's ConfigureTorchForTraining")
+    return p.parse_args(argv)
+
+
+def process_settings(args):
+    """Set before torch loads (the spawned ranks inherit the environment)."""
+    os.environ["OPENBLAS_NUM_THREADS"] = "1"  # as Lockstep: OpenBLAS single-threaded
+    os.environ["OMP_NUM_THREADS"] = str(args.threads)
+    os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
+    if args.process_settings == "lockstep":
+        # glibc reads these at process start: keep freed blocks in the heap, never mmap.
+        os.environ["MALLOC_MMAP_THRESHOLD_"] = str(32 << 20)
+        os.environ["MALLOC_TRIM_THRESHOLD_"] = str(1 << 30)
+        os.environ["MALLOC_MMAP_MAX_"] = "0"
+
+
+def build_model(torch, name):
+    nn = torch.nn
+    if name == "small_mlp":
+        return nn.Sequential(nn.Flatten(), nn.Linear(784, 256), nn.ReLU(), nn.Linear(256, 256), nn.ReLU(),
+                             nn.Linear(256, 10)), (1, 28, 28), 10
+    if name == "wide_mlp":
+        return nn.Sequential(nn.Flatten(), nn.Linear(1024, 4096), nn.ReLU(), nn.Linear(4096, 4096), nn.ReLU(),
+                             nn.Linear(4096, 1024)), (1, 32, 32), 1024
+    # Lockstep's CnnImpl with ModelOptions{}: hidden 128, 28x28 inputs.
+    return nn.Sequential(nn.Conv2d(1, 32, 3, padding=1), nn.ReLU(), nn.MaxPool2d(2),
+                         nn.Conv2d(32, 64, 3, padding=1), nn.ReLU(), nn.MaxPool2d(2), nn.Flatten(),
+                         nn.Linear(64 * 7 * 7, 128), nn.ReLU(), nn.Linear(128, 10)), (1, 28, 28), 10
+
+
+def worker(rank, args, port, queue):
+    import resource
+
+    import torch
+    import torch.distributed as dist
+    import torch.nn.functional as F
+
+    cores = os.cpu_count() or 1
+    if args.bind == "core" and args.ranks * args.threads <= cores:
+        os.sched_setaffinity(0, set(range(rank * args.threads, (rank + 1) * args.threads)))
+    torch.set_num_threads(args.threads)
+    if args.process_settings == "lockstep":
+        torch.set_flush_denormal(True)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=args.ranks)
+
+    torch.manual_seed(0)
+    module, input_shape, classes = build_model(torch, args.model)
+    model = torch.nn.parallel.DistributedDataParallel(module, bucket_cap_mb=args.bucket_mb)
+    if args.optimizer == "sgd":
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
+    else:
+        optimizer = torch.optim.Adam(model.parameters(), lr=1e-3)
+    torch.manual_seed(1000 + rank)
+    batches = [(torch.randn(args.batch_per_rank, *input_shape), torch.randint(classes, (args.batch_per_rank,)))
+               for _ in range(4)]
+    step_index = [0]
+
+    def step(sync):
+        x, y = batches[step_index[0] % len(batches)]
+        step_index[0] += 1
+        optimizer.zero_grad()
+        if sync:
+            F.cross_entropy(model(x), y).backward()
+        else:
+            with model.no_sync():
+                F.cross_entropy(model(x), y).backward()
+        optimizer.step()
+
+    def phase(sync, steps, times):
+        for _ in range(steps):
+            start = time.perf_counter()
+            step(sync)
+            if times is not None:
+                times.append(time.perf_counter() - start)
+        dist.barrier()
+
+    rounds = max(1, args.rounds)
+    per_round = max(1, args.steps // rounds)
+    sync_times, nosync_times = [], []
+    phase(True, args.warmup_steps, None)
+    if args.ranks > 1:
+        phase(False, args.warmup_steps, None)
+    for _ in range(rounds):
+        phase(True, per_round, sync_times)
+        if args.ranks > 1:
+            phase(False, per_round, nosync_times)
+    rss_mib = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024.0
+
+    forward, backward, update = [], [], []
+    for i in range(2 + args.breakdown_steps):
+        x, y = batches[i % len(batches)]
+        t0 = time.perf_counter()
+        optimizer.zero_grad()
+        loss = F.cross_entropy(module(x), y)
+        t1 = time.perf_counter()
+        loss.backward()
+        t2 = time.perf_counter()
+        optimizer.step()
+        t3 = time.perf_counter()
+        if i >= 2:
+            forward.append(t1 - t0)
+            backward.append(t2 - t1)
+            update.append(t3 - t2)
+
+    def median(v):
+        return statistics.median(v) if v else 0.0
+
+    mine = torch.tensor([median(sync_times), median(nosync_times), rss_mib, median(forward), median(backward),
+                         median(update)], dtype=torch.float64)
+    gathered = [torch.zeros_like(mine) for _ in range(args.ranks)]
+    dist.all_gather(gathered, mine)
+    if rank == 0:
+        col = lambda k, scale=1e3: [float(g[k]) * scale for g in gathered]
+        grad_bytes = sum(p.numel() * p.element_size() for p in module.parameters())
+        queue.put({
+            "framework": "ddp", "model": args.model, "ranks": args.ranks, "batch_per_rank": args.batch_per_rank,
+            "threads": torch.get_num_threads(), "optimizer": args.optimizer,
+            "parameters": sum(p.numel() for p in module.parameters() if p.requires_grad),
+            "gradient_bytes": grad_bytes,
+            "parameter_bytes": [p.numel() * p.element_size() for p in module.parameters()], "bucket_bytes": int(args.bucket_mb * (1 << 20)),
+            "torch_version": torch.__version__, "bind": args.bind, "process_settings": args.process_settings,
+            "step_ms": [t * 1e3 for t in sync_times],
+            "step_ms_median_per_rank": col(0), "nosync_step_ms_median_per_rank": col(1),
+            "max_rss_mib_per_rank": col(2, 1.0),
+            "forward_ms_median_per_rank": col(3), "backward_ms_median_per_rank": col(4),
+            "optimizer_ms_median_per_rank": col(5),
+        })
+    dist.barrier()
+    # Skip the process group's teardown: ProcessGroupGloo's destructor can deadlock
+    # at exit in torch 1.13 (seen here with the wide MLP), and nothing is left to do.
+    sys.stdout.flush()
+    os._exit(0)
+
+
+def free_port():
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def main(argv=None):
+    args = parse_args(argv)
+    process_settings(args)
+    import torch.multiprocessing as mp
+
+    ctx = mp.get_context("spawn")
+    queue = ctx.SimpleQueue()
+    mp.start_processes(worker, args=(args, free_port(), queue), nprocs=args.ranks, join=True, start_method="spawn")
+    print(json.dumps(queue.get()))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,386 @@
+// The Lockstep half of the scale-out suite (benchmarks/scaleout.sh runs it next to
+// PyTorch DDP and writes the tables, JSON and plots). One process per rank, under
+// mpirun; rank 0 prints one JSON object on the last line of stdout.
+//
+//   launch/mpirun.sh -n 2 -- build/benchmarks/scaleout_benchmark --model=small_mlp --batch_per_rank=32
+//   launch/mpirun.sh -n 2 -- build/benchmarks/scaleout_benchmark --mode=collectives
+//
+// --mode=train: the data-parallel Trainer (MPI communicator, synthetic batches)
+// on one model. After warm-up, `rounds` rounds each time steps/rounds steps with
+// communication ("sync": the Trainer with the communicator) and, on more than one
+// rank, as many without ("nosync": a Trainer on the same state without a
+// communicator, every rank computing alone, as DDP's no_sync()). A barrier
+// separates the phases. Reports, per rank, the median step time of each phase,
+// the median time blocked on communication per sync step (DataParallel's
+// communication_wait_seconds, of which the gradient buckets'), peak RSS, and a
+// forward / backward / optimizer breakdown from a hand-written loop on the same
+// model and batches.
+//
+// --mode=collectives: all-reduce of float32 messages of each size, the
+// Communicator against raw MPI_Allreduce on MPI_COMM_WORLD, in the same run.
+// Every rank runs the same fixed iteration counts (collectives must match).
+#include <ATen/ATen.h>
+#include <mpi.h>
+#include <sys/resource.h>
+
+#include <algorithm>
+#include <chrono>
+#include <cstdio>
+#include <cstdlib>
+#include <memory>
+#include <sstream>
+#include <string>
+#include <vector>
+
+#include "absl/flags/flag.h"
+#include "absl/flags/parse.h"
+#include "lockstep/data.h"
+#include "lockstep/models.h"
+#include "lockstep/mpi_communicator.h"
+#include "lockstep/runtime.h"
+#include "lockstep/torch_setup.h"
+#include "lockstep/trainer.h"
+
+ABSL_FLAG(std::string, mode, "train", "train or collectives");
+ABSL_FLAG(std::string, model, "small_mlp", "small_mlp (784-256-256-10), wide_mlp (1024-4096-4096-1024) or cnn");
+ABSL_FLAG(int64_t, batch_per_rank, 32, "examples per rank per step (weak scaling)");
+ABSL_FLAG(std::string, optimizer, "sgd", "sgd (momentum 0.9) or adam");
+ABSL_FLAG(int, threads, 1, "intra-op threads per rank");
+ABSL_FLAG(int, warmup_steps, 5, "untimed steps of each phase before the timed ones");
+ABSL_FLAG(int, steps, 40, "timed steps per phase, spread over the rounds");
+ABSL_FLAG(int, rounds, 4, "alternations of the sync and nosync phases");
+ABSL_FLAG(int, breakdown_steps, 10, "timed steps of the hand-written forward/backward/optimizer loop");
+ABSL_FLAG(double, bucket_mb, 25, "gradient bucket size in MiB");
+ABSL_FLAG(int64_t, chunk_kib, 1024, "the MPI communicator's chunk size (MpiOptions::chunk_bytes), KiB");
+ABSL_FLAG(int, chunks_in_flight, 4, "the MPI communicator's MpiOptions::chunks_in_flight");
+ABSL_FLAG(std::string, sizes, "8,4096,65536,262144,1048576,4194304,16777216,67108864",
+          "collectives: message sizes in bytes, comma-separated");
+
+namespace lockstep {
+namespace {
+
+using Clock = std::chrono::steady_clock;
+
+double Since(Clock::time_point start) { return std::chrono::duration<double>(Clock::now() - start).count(); }
+
+double Median(std::vector<double> v) {
+  if (v.empty()) return 0.0;
+  std::sort(v.begin(), v.end());
+  const size_t n = v.size();
+  return n % 2 == 1 ? v[n / 2] : 0.5 * (v[n / 2 - 1] + v[n / 2]);
+}
+
+double MaxRssMib() {
+  rusage usage{};
+  getrusage(RUSAGE_SELF, &usage);
+  return static_cast<double>(usage.ru_maxrss) / 1024.0;  // Linux reports KiB
+}
+
+// Every rank's values, rank by rank (each rank passes the same count).
+std::vector<double> GatherAll(Communicator& comm, const std::vector<double>& mine) {
+  at::Tensor in = at::tensor(mine, at::kDouble);
+  at::Tensor out = at::zeros({static_cast<int64_t>(mine.size()) * comm.world_size()}, at::kDouble);
+  comm.AllGather(out, in);
+  const double* v = out.data_ptr<double>();
+  return std::vector<double>(v, v + out.numel());
+}
+
+// A tiny JSON writer: enough for numbers, strings and arrays of numbers.
+class Json {
+ public:
+  Json& Num(const std::string& key, double value) {
+    Key(key);
+    out_ << value;
+    return *this;
+  }
+  Json& Str(const std::string& key, const std::string& value) {
+    Key(key);
+    out_ << '"' << value << '"';
+    return *this;
+  }
+  Json& Array(const std::string& key, const std::vector<double>& values) {
+    Key(key);
+    out_ << '[';
+    for (size_t i = 0; i < values.size(); ++i) out_ << (i ? "," : "") << values[i];
+    out_ << ']';
+    return *this;
+  }
+  Json& Raw(const std::string& key, const std::string& json) {
+    Key(key);
+    out_ << json;
+    return *this;
+  }
+  std::string Done() { return out_.str() + "}"; }
+
+ private:
+  void Key(const std::string& key) {
+    out_ << (first_ ? "{" : ",") << '"' << key << "\":";
+    first_ = false;
+  }
+  std::ostringstream out_ = [] {
+    std::ostringstream s;
+    s.precision(9);
+    return s;
+  }();
+  bool first_ = true;
+};
+
+struct ModelSpec {
+  ModelOptions options;
+  std::vector<int64_t> input_shape;  // per example
+};
+
+ModelSpec Spec(const std::string& name) {
+  ModelSpec spec;
+  if (name == "small_mlp") {
+    spec.options.name = "mlp";
+    spec.options.hidden_layers = {256, 256};
+    spec.input_shape = {1, 28, 28};
+  } else if (name == "wide_mlp") {
+    spec.options.name = "mlp";
+    spec.options.height = 32;
+    spec.options.width = 32;
+    spec.options.hidden_layers = {4096, 4096};
+    spec.options.num_classes = 1024;
+    spec.input_shape = {1, 32, 32};
+  } else if (name == "cnn") {
+    spec.options.name = "cnn";
+    spec.input_shape = {1, 28, 28};
+  } else {
+    throw InvalidArgumentError("unknown --model '" + name + "' (small_mlp, wide_mlp, cnn)");
+  }
+  return spec;
+}
+
+// Cycles through a few synthetic batches made up front (no data loading in the timing).
+class CyclingIterator : public BatchIterator {
+ public:
+  CyclingIterator(const ModelSpec& spec, int64_t batch, int rank) {
+    at::manual_seed(1000 + rank);
+    std::vector<int64_t> shape = {batch};
+    shape.insert(shape.end(), spec.input_shape.begin(), spec.input_shape.end());
+    for (int i = 0; i < 4; ++i) {
+      batches_.push_back(Batch{at::randn(shape), at::randint(spec.options.num_classes, {batch}, at::kLong), {}});
+    }
+  }
+  std::optional<Batch> Next() override { return batches_[next_++ % batches_.size()]; }
+  const Batch& Peek(size_t i) const { return batches_[i % batches_.size()]; }
+
+ private:
+  std::vector<Batch> batches_;
+  size_t next_ = 0;
+};
+
+OptimizerOptions Optimizer(const std::string& name) {
+  OptimizerOptions o;
+  if (name == "sgd") {
+    o.kind = OptimizerOptions::Kind::kSgd;
+    o.learning_rate = 0.01;
+    o.momentum = 0.9;
+  } else if (name == "adam") {
+    o.kind = OptimizerOptions::Kind::kAdam;
+    o.learning_rate = 1e-3;
+  } else {
+    throw InvalidArgumentError("unknown --optimizer '" + name + "' (sgd, adam)");
+  }
+  return o;
+}
+
+int RunTrain(Communicator& comm, const Runtime& runtime) {
+  const std::string model_name = absl::GetFlag(FLAGS_model);
+  const int64_t batch = absl::GetFlag(FLAGS_batch_per_rank);
+  const int warmup = absl::GetFlag(FLAGS_warmup_steps);
+  const int rounds = std::max(1, absl::GetFlag(FLAGS_rounds));
+  const int per_round = std::max(1, absl::GetFlag(FLAGS_steps) / rounds);
+  const int world = comm.world_size();
+  const ModelSpec spec = Spec(model_name);
+
+  at::manual_seed(0);
+  BuiltModel model = BuildModel(spec.options);
+  TrainState state = MakeTrainState(model.module, MakeOptimizerFactory(Optimizer(absl::GetFlag(FLAGS_optimizer))));
+  int64_t grad_bytes = 0;
+  std::vector<double> parameter_bytes;  // in registration order
+  for (const at::Tensor& p : state.model->parameters()) {
+    grad_bytes += p.numel() * p.element_size();
+    parameter_bytes.push_back(static_cast<double>(p.numel() * p.element_size()));
+  }
+
+  TrainerOptions options;
+  options.summary_every_steps = 1 << 30;
+  options.communicator = &comm;
+  options.data_parallel.bucket_bytes = static_cast<size_t>(absl::GetFlag(FLAGS_bucket_mb) * (1 << 20));
+  Trainer sync(state, model.apply, CrossEntropyLoss(), options, runtime);
+  TrainerOptions alone_options = options;
+  alone_options.communicator = nullptr;
+  Trainer alone(state, model.apply, CrossEntropyLoss(), alone_options, runtime);
+  DataParallel* dp = sync.data_parallel();
+  CyclingIterator data(spec, batch, comm.rank());
+
+  std::vector<double> sync_times, nosync_times, wait_times, bucket_wait_times;
+  auto run_phase = [&](Trainer& trainer, int steps, std::vector<double>* times, bool timed_waits) {
+    for (int i = 0; i < steps; ++i) {
+      const double wait_before = dp ? dp->communication_wait_seconds() : 0.0;
+      const double bucket_before = dp ? dp->bucketer().wait_seconds() : 0.0;
+      const auto start = Clock::now();
+      trainer.Train(data, 1);
+      const double seconds = Since(start);
+      if (times == nullptr) continue;
+      times->push_back(seconds);
+      if (timed_waits) {
+        wait_times.push_back(dp ? dp->communication_wait_seconds() - wait_before : 0.0);
+        bucket_wait_times.push_back(dp ? dp->bucketer().wait_seconds() - bucket_before : 0.0);
+      }
+    }
+    comm.Barrier();
+  };
+  run_phase(sync, warmup, nullptr, false);
+  if (world > 1) run_phase(alone, warmup, nullptr, false);
+  for (int r = 0; r < rounds; ++r) {
+    run_phase(sync, per_round, &sync_times, true);
+    if (world > 1) run_phase(alone, per_round, &nosync_times, false);
+  }
+  const double rss = MaxRssMib();
+
+  // Forward / backward / optimizer of a hand-written loop on the same model and
+  // batches, without communication.
+  std::vector<double> forward, backward, update;
+  torch::optim::Optimizer& optimizer = *state.optimizer;
+  for (int i = 0; i < 2 + absl::GetFlag(FLAGS_breakdown_steps); ++i) {
+    const Batch& b = data.Peek(i);
+    const auto t0 = Clock::now();
+    optimizer.zero_grad();
+    at::Tensor loss = at::cross_entropy_loss(model.apply(*state.model, b.inputs), b.targets);
+    const auto t1 = Clock::now();
+    loss.backward();
+    const auto t2 = Clock::now();
+    optimizer.step();
+    const auto t3 = Clock::now();
+    if (i < 2) continue;  // warm-up
+    forward.push_back(std::chrono::duration<double>(t1 - t0).count());
+    backward.push_back(std::chrono::duration<double>(t2 - t1).count());
+    update.push_back(std::chrono::duration<double>(t3 - t2).count());
+  }
+
+  const std::vector<double> per_rank =
+      GatherAll(comm, {Median(sync_times), Median(nosync_times), Median(wait_times), Median(bucket_wait_times), rss,
+                       Median(forward), Median(backward), Median(update)});
+  if (comm.rank() != 0) return 0;
+  auto column = [&](int k) {
+    std::vector<double> out;
+    for (int r = 0; r < world; ++r) out.push_back(per_rank[8 * r + k]);
+    return out;
+  };
+  auto ms = [](std::vector<double> v) {
+    for (double& x : v) x *= 1e3;
+    return v;
+  };
+  Json json;
+  json.Str("framework", "lockstep")
+      .Str("model", model_name)
+      .Num("ranks", world)
+      .Num("batch_per_rank", static_cast<double>(batch))
+      .Num("threads", at::get_num_threads())
+      .Str("optimizer", absl::GetFlag(FLAGS_optimizer))
+      .Num("parameters", static_cast<double>(CountTrainableWeights(*state.model)))
+      .Num("gradient_bytes", static_cast<double>(grad_bytes))
+      .Array("parameter_bytes", parameter_bytes)
+      .Num("buckets", dp ? static_cast<double>(dp->bucketer().buckets().size()) : 0.0)
+      .Num("bucket_bytes", static_cast<double>(options.data_parallel.bucket_bytes))
+      .Array("step_ms", ms(sync_times))  // rank 0's, every timed step
+      .Array("nosync_step_ms", ms(nosync_times))
+      .Array("step_ms_median_per_rank", ms(column(0)))
+      .Array("nosync_step_ms_median_per_rank", ms(column(1)))
+      .Array("comm_wait_ms_median_per_rank", ms(column(2)))
+      .Array("bucket_wait_ms_median_per_rank", ms(column(3)))
+      .Array("max_rss_mib_per_rank", column(4))
+      .Array("forward_ms_median_per_rank", ms(column(5)))
+      .Array("backward_ms_median_per_rank", ms(column(6)))
+      .Array("optimizer_ms_median_per_rank", ms(column(7)));
+  std::printf("%s\n", json.Done().c_str());
+  return 0;
+}
+
+std::vector<int64_t> ParseSizes(const std::string& text) {
+  std::vector<int64_t> sizes;
+  std::stringstream in(text);
+  std::string item;
+  while (std::getline(in, item, ',')) {
+    if (!item.empty()) sizes.push_back(std::max<int64_t>(4, std::stoll(item)));
+  }
+  return sizes;
+}
+
+// Calls per timing: many for small messages, at least 5 for large ones.
+int Iterations(int64_t bytes) { return static_cast<int>(std::clamp<int64_t>((int64_t{64} << 20) / bytes, 5, 200)); }
+
+int RunCollectives(Communicator& comm) {
+  const int world = comm.world_size();
+  std::ostringstream rows;
+  rows.precision(9);
+  bool first = true;
+  for (const int64_t bytes : ParseSizes(absl::GetFlag(FLAGS_sizes))) {
+    at::Tensor t = at::ones({bytes / 4}, at::kFloat);
+    const int n = Iterations(bytes);
+    // Three timings of n calls each, interleaved between the two; the median.
+    std::vector<double> raw, ours;
+    for (int rep = 0; rep < 4; ++rep) {
+      MPI_Barrier(MPI_COMM_WORLD);
+      auto start = Clock::now();
+      for (int i = 0; i < n; ++i) {
+        MPI_Allreduce(MPI_IN_PLACE, t.data_ptr(), static_cast<int>(t.numel()), MPI_FLOAT, MPI_SUM, MPI_COMM_WORLD);
+      }
+      const double raw_s = Since(start) / n;
+      comm.Barrier();
+      start = Clock::now();
+      for (int i = 0; i < n; ++i) comm.AllReduce(t, ReduceOp::kSum);
+      const double ours_s = Since(start) / n;
+      if (rep == 0) continue;  // warm-up
+      raw.push_back(raw_s);
+      ours.push_back(ours_s);
+    }
+    // The slowest rank's time is the collective's.
+    const std::vector<double> all = GatherAll(comm, {Median(raw), Median(ours)});
+    double raw_s = 0, ours_s = 0;
+    for (int r = 0; r < world; ++r) {
+      raw_s = std::max(raw_s, all[2 * r]);
+      ours_s = std::max(ours_s, all[2 * r + 1]);
+    }
+    rows << (first ? "" : ",") << "{\"bytes\":" << bytes << ",\"iterations\":" << n << ",\"mpi_s\":" << raw_s
+         << ",\"lockstep_s\":" << ours_s << "}";
+    first = false;
+  }
+  if (comm.rank() == 0) {
+    Json json;
+    json.Str("framework", "lockstep").Str("mode", "collectives").Num("ranks", world).Raw("allreduce",
+                                                                                      "[" + rows.str() + "]");
+    std::printf("%s\n", json.Done().c_str());
+  }
+  return 0;
+}
+
+int Main() {
+  ConfigureTorchForTraining(absl::GetFlag(FLAGS_threads));
+  const Runtime runtime = Runtime::FromEnvironment();
+  MpiOptions mpi;
+  mpi.chunk_bytes = static_cast<size_t>(absl::GetFlag(FLAGS_chunk_kib)) << 10;
+  mpi.chunks_in_flight = absl::GetFlag(FLAGS_chunks_in_flight);
+  std::unique_ptr<Communicator> comm = MakeMpiCommunicator(mpi);
+  const std::string mode = absl::GetFlag(FLAGS_mode);
+  if (mode == "train") return RunTrain(*comm, runtime);
+  if (mode == "collectives") return RunCollectives(*comm);
+  std::fprintf(stderr, "scaleout_benchmark: unknown --mode '%s' (train, collectives)\n", mode.c_str());
+  return 2;
+}
+
+}  // namespace
+}  // namespace lockstep
+
+int main(int argc, char** argv) {
+  absl::ParseCommandLine(argc, argv);
+  try {
+    return lockstep::Main();
+  } catch (const std::exception& e) {
+    std::fprintf(stderr, "scaleout_benchmark: %s\n", e.what());
+    return 1;
+  }
+}
