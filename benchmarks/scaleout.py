@@ -606,8 +606,9 @@ def write_plots(results, out_dir, frameworks):
         series = [{"label": "Lockstep", "points": [(r["bytes"], r["lockstep_busbw_gbps"]) for r in rows]},
                   {"label": "MPI_Allreduce", "points": [(r["bytes"], r["mpi_busbw_gbps"]) for r in rows],
                    "dashed": True}]
-        save(f"allreduce_{n}ranks.svg", svg_plot.line_chart(f"All-reduce bus bandwidth, {n} ranks", "bytes (log2)",
-                                                            "busbw GB/s", series, log_x=True, y_min=0))
+        save(f"allreduce_{n}ranks.svg", svg_plot.line_chart(f"All-reduce bus bandwidth, float32, {n} ranks",
+                                                            "message size", "busbw GB/s", series, log_x=True, y_min=0,
+                                                            x_format=svg_plot.format_bytes))
     p = results["projection"]
     if p["models"]:
         series = [{"label": model, "points": [(pt["ranks"], pt["efficiency"]) for pt in curve]}
