@@ -130,7 +130,8 @@ def worker(rank, args, port, queue):
     rss_mib = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024.0
 
     forward, backward, update = [], [], []
-    for i in range(2 + args.breakdown_steps):
+    breakdown_warmup = min(2, args.breakdown_steps)
+    for i in range(breakdown_warmup + args.breakdown_steps):
         x, y = batches[i % len(batches)]
         t0 = time.perf_counter()
         optimizer.zero_grad()
@@ -140,7 +141,7 @@ def worker(rank, args, port, queue):
         t2 = time.perf_counter()
         optimizer.step()
         t3 = time.perf_counter()
-        if i >= 2:
+        if i >= breakdown_warmup:
             forward.append(t1 - t0)
             backward.append(t2 - t1)
             update.append(t3 - t2)

@@ -40,7 +40,7 @@ FULL = {"small_mlp": dict(batch=32, warmup=10, steps=100, rounds=2, breakdown=20
         "wide_mlp": dict(batch=32, warmup=2, steps=6, rounds=2, breakdown=2),
         "cnn": dict(batch=64, warmup=3, steps=20, rounds=2, breakdown=4)}
 QUICK = {"small_mlp": dict(batch=32, warmup=2, steps=8, rounds=2, breakdown=4),
-         "wide_mlp": dict(batch=8, warmup=1, steps=2, rounds=1, breakdown=1),
+         "wide_mlp": dict(batch=8, warmup=1, steps=1, rounds=1, breakdown=1),
          "cnn": dict(batch=16, warmup=1, steps=4, rounds=2, breakdown=2)}
 DDP_VARIANTS = {
     # PyTorch as it ships, with the thread settings both sides share.
@@ -155,6 +155,7 @@ def summarize(runs):
         "forward_ms": pick("forward_ms_median_per_rank"),
         "backward_ms": pick("backward_ms_median_per_rank"),
         "optimizer_ms": pick("optimizer_ms_median_per_rank"),
+        "wall_s": sum(r["wall_s"] for r in runs),
     }
     if "comm_wait_ms_median_per_rank" in runs[0]:
         out["comm_wait_ms"] = pick("comm_wait_ms_median_per_rank")
@@ -605,8 +606,9 @@ def write_plots(results, out_dir, frameworks):
         series = [{"label": "Lockstep", "points": [(r["bytes"], r["lockstep_busbw_gbps"]) for r in rows]},
                   {"label": "MPI_Allreduce", "points": [(r["bytes"], r["mpi_busbw_gbps"]) for r in rows],
                    "dashed": True}]
-        save(f"allreduce_{n}ranks.svg", svg_plot.line_chart(f"All-reduce bus bandwidth, {n} ranks", "bytes (log2)",
-                                                            "busbw GB/s", series, log_x=True, y_min=0))
+        save(f"allreduce_{n}ranks.svg", svg_plot.line_chart(f"All-reduce bus bandwidth, float32, {n} ranks",
+                                                            "message size", "busbw GB/s", series, log_x=True, y_min=0,
+                                                            x_format=svg_plot.format_bytes))
     p = results["projection"]
     if p["models"]:
         series = [{"label": model, "points": [(pt["ranks"], pt["efficiency"]) for pt in curve]}

@@ -245,7 +245,8 @@ int RunTrain(Communicator& comm, const Runtime& runtime) {
   // batches, without communication.
   std::vector<double> forward, backward, update;
   torch::optim::Optimizer& optimizer = *state.optimizer;
-  for (int i = 0; i < 2 + absl::GetFlag(FLAGS_breakdown_steps); ++i) {
+  const int breakdown_warmup = std::min(2, absl::GetFlag(FLAGS_breakdown_steps));
+  for (int i = 0; i < breakdown_warmup + absl::GetFlag(FLAGS_breakdown_steps); ++i) {
     const Batch& b = data.Peek(i);
     const auto t0 = Clock::now();
     optimizer.zero_grad();
@@ -255,7 +256,7 @@ int RunTrain(Communicator& comm, const Runtime& runtime) {
     const auto t2 = Clock::now();
     optimizer.step();
     const auto t3 = Clock::now();
-    if (i < 2) continue;  // warm-up
+    if (i < breakdown_warmup) continue;
     forward.push_back(std::chrono::duration<double>(t1 - t0).count());
     backward.push_back(std::chrono::duration<double>(t2 - t1).count());
     update.push_back(std::chrono::duration<double>(t3 - t2).count());

@@ -20,7 +20,16 @@ def _nice_ticks(lo, hi, count=5):
     while t <= hi + step * 1e-9:
         ticks.append(round(t, 12))
         t += step
+    if ticks[-1] < hi:
+        ticks.append(round(t, 12))
     return ticks
+
+
+def format_bytes(v):
+    for unit, size in (("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)):
+        if v >= size:
+            return f"{v / size:g} {unit}"
+    return f"{v:g} B"
 
 
 def _fmt(v):
@@ -59,8 +68,9 @@ class _Canvas:
         return "\n".join(self.parts + ["</svg>"]) + "\n"
 
 
-def line_chart(title, x_label, y_label, series, log_x=False, y_min=None, y_max=None):
-    """series: list of dicts {label, points: [(x, y)], dashed: bool}. Returns SVG text."""
+def line_chart(title, x_label, y_label, series, log_x=False, y_min=None, y_max=None, x_format=None):
+    """series: list of dicts {label, points: [(x, y)], dashed: bool}; x_format
+    formats the x ticks (default: numbers). Returns SVG text."""
     c = _Canvas(title)
     xs = [x for s in series for x, _ in s["points"]]
     ys = [y for s in series for _, y in s["points"]]
@@ -83,7 +93,7 @@ def line_chart(title, x_label, y_label, series, log_x=False, y_min=None, y_max=N
         c.text(LEFT - 6, py(t) + 4, _fmt(t), "end")
     for x in sorted(set(xs)):
         c.add(f'<line x1="{px(x):.1f}" y1="{TOP + plot_h}" x2="{px(x):.1f}" y2="{TOP + plot_h + 5}" stroke="#888"/>')
-        c.text(px(x), TOP + plot_h + 18, _fmt(x), "middle")
+        c.text(px(x), TOP + plot_h + 18, (x_format or _fmt)(x), "middle", font_size="10")
     c.text(LEFT + plot_w / 2, HEIGHT - 12, x_label, "middle")
     c.text(16, TOP + plot_h / 2, y_label, "middle", transform=f"rotate(-90 16 {TOP + plot_h / 2})")
     legend = []
