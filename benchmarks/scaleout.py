@@ -75,6 +75,8 @@ def parse_args(argv=None):
     c.add_argument("--network-latency-us", type=float, default=15.0, help="alpha per ring step across hosts")
     c.add_argument("--compute-speedup", type=float, default=1.0,
                    help="how many times faster one cluster device runs a step than one rank here")
+    c.add_argument("--project-only", metavar="RESULTS_JSON",
+                   help="measure nothing: project the 1-rank results of an earlier run onto the cluster above")
     return p.parse_args(argv)
 
 
@@ -274,6 +276,37 @@ def compute_parts(entry, step_s):
     return parts
 
 
+def project(results, args):
+    """The cost model on the cluster that the flags describe, from the 1-rank
+    measurements in results."""
+    cluster = {"hosts": args.hosts, "gpus_per_host": args.gpus_per_host, "nvlink_gbps": args.nvlink_gbps,
+               "network_gbps": args.network_gbps, "nvlink_latency_us": args.nvlink_latency_us,
+               "network_latency_us": args.network_latency_us, "compute_speedup": args.compute_speedup}
+    c = {"gpus_per_host": args.gpus_per_host, "nvlink_Bps": args.nvlink_gbps * 1e9,
+         "network_Bps": args.network_gbps * 1e9, "nvlink_latency_s": args.nvlink_latency_us * 1e-6,
+         "network_latency_s": args.network_latency_us * 1e-6}
+    projection = {"cluster": cluster, "models": {}}
+    proj_ranks = sorted({2 ** k for k in range(0, 16) if 2 ** k <= args.gpus_per_host} |
+                        {args.gpus_per_host * h for h in range(1, args.hosts + 1) if h & (h - 1) == 0 or h == args.hosts})
+    for model, m in results["models"].items():
+        ls = m.get("lockstep", {})
+        if "1" not in ls or not m.get("parameter_bytes"):
+            continue
+        t1 = ls["1"]["step_ms"] / 1e3 / args.compute_speedup
+        parts = compute_parts(ls["1"], ls["1"]["step_ms"] / 1e3)
+        parts = {k: v / args.compute_speedup for k, v in parts.items()}
+        buckets = buckets_of(m["parameter_bytes"], m["bucket_bytes"])
+        curve = []
+        for n in proj_ranks:
+            step, comm = predict_step_s(parts, buckets, lambda s, n=n: cluster_allreduce_s(s, n, c)) if n > 1 \
+                else (t1, 0.0)
+            curve.append({"ranks": n, "hosts": max(1, math.ceil(n / args.gpus_per_host)), "step_ms": step * 1e3,
+                          "comm_ms": comm * 1e3, "efficiency": t1 / step,
+                          "examples_per_s": n * m["batch_per_rank"] / step})
+        projection["models"][model] = curve
+    return projection
+
+
 # --- output --------------------------------------------------------------------
 
 def fmt(v, spec=".2f", none="-"):
@@ -290,6 +323,12 @@ def print_table(title, header, rows):
 
 def main(argv=None):
     args = parse_args(argv)
+    if args.project_only:
+        with open(args.project_only) as f:
+            results = json.load(f)
+        results["projection"] = project(results, args)
+        print_projection(results["projection"])
+        return 0
     started = time.monotonic()
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
     if args.ranks:
@@ -442,31 +481,7 @@ def main(argv=None):
                 "predicted_efficiency_measured_allreduce": one["step_ms"] / (predicted_m * 1e3),
                 "measured_efficiency": two["efficiency"],
             }
-    cluster = {"hosts": args.hosts, "gpus_per_host": args.gpus_per_host, "nvlink_gbps": args.nvlink_gbps,
-               "network_gbps": args.network_gbps, "nvlink_latency_us": args.nvlink_latency_us,
-               "network_latency_us": args.network_latency_us, "compute_speedup": args.compute_speedup}
-    c = {"gpus_per_host": args.gpus_per_host, "nvlink_Bps": args.nvlink_gbps * 1e9,
-         "network_Bps": args.network_gbps * 1e9, "nvlink_latency_s": args.nvlink_latency_us * 1e-6,
-         "network_latency_s": args.network_latency_us * 1e-6}
-    projection = {"cluster": cluster, "models": {}}
-    proj_ranks = sorted({2 ** k for k in range(0, 16) if 2 ** k <= args.gpus_per_host} |
-                        {args.gpus_per_host * h for h in range(1, args.hosts + 1) if h & (h - 1) == 0 or h == args.hosts})
-    for model, m in results["models"].items():
-        ls = m.get("lockstep", {})
-        if "1" not in ls or not m.get("parameter_bytes"):
-            continue
-        t1 = ls["1"]["step_ms"] / 1e3 / args.compute_speedup
-        parts = compute_parts(ls["1"], ls["1"]["step_ms"] / 1e3)
-        parts = {k: v / args.compute_speedup for k, v in parts.items()}
-        buckets = buckets_of(m["parameter_bytes"], m["bucket_bytes"])
-        curve = []
-        for n in proj_ranks:
-            step, comm = predict_step_s(parts, buckets, lambda s, n=n: cluster_allreduce_s(s, n, c)) if n > 1 \
-                else (t1, 0.0)
-            curve.append({"ranks": n, "hosts": max(1, math.ceil(n / args.gpus_per_host)), "step_ms": step * 1e3,
-                          "comm_ms": comm * 1e3, "efficiency": t1 / step,
-                          "examples_per_s": n * m["batch_per_rank"] / step})
-        projection["models"][model] = curve
+    projection = project(results, args)
 
     # 5. The targets of issue 8, at 2 ranks, against each DDP variant.
     targets = {}
@@ -543,13 +558,7 @@ def print_report(results, frameworks):
                       fmt(ch["predicted_efficiency_measured_allreduce"]), fmt(ch["measured_step_ms"], ".3f"),
                       fmt(ch["measured_efficiency"])]
                      for model, ch in cost["check"].items()])
-    p = results["projection"]
-    cl = p["cluster"]
-    print_table(f"Projection: {cl['hosts']} host(s) x {cl['gpus_per_host']} GPUs, NVLink {cl['nvlink_gbps']:g} GB/s, "
-                f"network {cl['network_gbps']:g} GB/s per host, compute {cl['compute_speedup']:g}x this machine's",
-                ["model", "ranks", "hosts", "step ms", "comm ms", "efficiency"],
-                [[model, pt["ranks"], pt["hosts"], fmt(pt["step_ms"], ".3f"), fmt(pt["comm_ms"], ".3f"),
-                  fmt(pt["efficiency"])] for model, curve in p["models"].items() for pt in curve])
+    print_projection(results["projection"])
     for fw, by_model in results["targets"].items():
         print_table(f"Targets at 2 ranks against {fw} (Lockstep / DDP step time at most the limit; efficiency "
                     f"above DDP's; medians of per-round values)",
@@ -558,6 +567,15 @@ def print_report(results, frameworks):
                       fmt(t["efficiency_lockstep"]), fmt(t["efficiency_ddp"]), "yes" if t["efficiency_met"] else "NO"]
                      for model, t in by_model.items()])
     print(f"\n{results['seconds']:.0f} s in all")
+
+
+def print_projection(p):
+    cl = p["cluster"]
+    print_table(f"Projection: {cl['hosts']} host(s) x {cl['gpus_per_host']} GPUs, NVLink {cl['nvlink_gbps']:g} GB/s, "
+                f"network {cl['network_gbps']:g} GB/s per host, compute {cl['compute_speedup']:g}x this machine's",
+                ["model", "ranks", "hosts", "step ms", "comm ms", "efficiency"],
+                [[model, pt["ranks"], pt["hosts"], fmt(pt["step_ms"], ".3f"), fmt(pt["comm_ms"], ".3f"),
+                  fmt(pt["efficiency"])] for model, curve in p["models"].items() for pt in curve])
 
 
 def write_plots(results, out_dir, frameworks):
