@@ -21,6 +21,7 @@ PACKAGES=(
   libopenmpi-dev openmpi-bin
   libgtest-dev libgmock-dev libbenchmark-dev python3-protobuf
   dataset-fashion-mnist python3-torch
+  slurm-wlm munge
 )
 
 log() { printf '[dev.sh] %s\n' "$*" >&2; }
