@@ -101,12 +101,11 @@ void BM_TrainerWritingEveryStep(benchmark::State& bench) {
   {
     auto events = std::make_shared<TensorBoardWriter>(dir);
     auto jsonl = std::make_shared<JsonlWriter>(dir);
-    AsyncSummaryWriter writer(
-        {[events](const Summary& s) { (*events)(s); }, [jsonl](const Summary& s) { (*jsonl)(s); }});
-    trainer.AddSummarySink(writer.AsSink());
+    trainer.AddSummaryWriter([events](const Summary& s) { (*events)(s); });
+    trainer.AddSummaryWriter([jsonl](const Summary& s) { (*jsonl)(s); });
     CyclingIterator data;
     for (auto _ : bench) benchmark::DoNotOptimize(trainer.Train(data, kStepsPerIteration));
-    writer.Close();
+    trainer.CloseWriters();
   }
   std::filesystem::remove_all(dir);
   bench.SetItemsProcessed(bench.iterations() * kStepsPerIteration * kBatch);

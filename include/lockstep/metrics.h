@@ -3,8 +3,8 @@
 //
 // A Summary is what a train period or an evaluation produced; a SummarySink is any
 // callable that takes one (StdoutLogger prints it; TensorBoard and JSONL writers
-// follow). In a multi-rank job only rank 0 calls sinks. MetricsAccumulator is not
-// thread-safe; it lives on the training thread.
+// follow). In a multi-rank job only rank 0 calls sinks; MetricsManager
+// (metrics_manager.h) combines ranks' metrics first.
 #ifndef LOCKSTEP_METRICS_H_
 #define LOCKSTEP_METRICS_H_
 
@@ -26,10 +26,12 @@ inline constexpr char kAccuracy[] = "accuracy";
 inline constexpr char kLearningRate[] = "learning_rate";
 inline constexpr char kGradientsL2Norm[] = "gradients_l2norm";
 inline constexpr char kWeightsL2Norm[] = "weights_l2norm";
+// Summaries only, from MetricsManager's timer over the period (the slowest rank's).
 inline constexpr char kSecondsPerStep[] = "seconds_per_step";
 inline constexpr char kExamplesPerSecond[] = "examples_per_second";
-inline constexpr char kStepsPerSecond[] = "steps_per_second";  // summaries only
-// Examples in the step's global batch; used to weight means, not printed.
+inline constexpr char kStepsPerSecond[] = "steps_per_second";
+// Examples behind a value (this rank's, per step; all ranks', in summaries); weights
+// means, not printed.
 inline constexpr char kNumExamples[] = "num_examples";
 
 struct Summary {
@@ -49,27 +51,67 @@ struct StdoutLogger {
   void operator()(const Summary& summary) const;
 };
 
-// Averages per-step metrics over a summary period. loss and accuracy are weighted
-// by the examples of each step; learning_rate, weights_l2norm and the per-weight
-// rms and max keep the last value; examples_per_second and steps_per_second are
-// totals over the total seconds of the steps; every other metric is the mean
-// over steps.
+// How a metric combines over the steps of a summary period and across ranks.
+enum class MetricReduction {
+  kWeightedMean,  // mean weighted by each step's num_examples (loss, accuracy)
+  kMean,          // mean over the steps (and ranks) that reported it
+  kSum,           // total (num_examples)
+  kMax,           // largest value
+  kLast,          // the period's last value, rank 0's: for values every rank shares
+                  // (learning_rate, gradient and weight norms after the all-reduce)
+};
+
+// loss, accuracy: kWeightedMean; num_examples: kSum; learning_rate,
+// gradients_l2norm, weights_l2norm and the per-weight weights/<name>/{rms,max,
+// update_ratio}: kLast; anything else: kMean.
+MetricReduction DefaultReduction(const std::string& name);
+
+// Accumulates one rank's metrics over a summary period: per metric a value (a
+// weighted sum, sum, max or last value, as its reduction says) and a weight (the
+// examples or steps behind it), so that periods of several ranks can be combined
+// (MetricsManager does that) before Finalize turns them into summary values.
+// Not thread-safe; it lives on the training thread.
 class MetricsAccumulator {
  public:
+  struct Entry {
+    MetricReduction reduction = MetricReduction::kMean;
+    double value = 0;   // sum of value x weight, sum, max or last value
+    double weight = 0;  // examples (kWeightedMean) or steps (the others)
+  };
+  using Entries = std::map<std::string, Entry>;
+
+  // Overrides DefaultReduction for `name` from now on.
+  void SetReduction(const std::string& name, MetricReduction reduction) { reductions_[name] = reduction; }
+  MetricReduction reduction(const std::string& name) const;
+
+  // One train step's metrics; its examples are its num_examples (1 without).
   void Add(const MetricMap& step_metrics);
+  // Weighted sums of per-example metrics over `weight` examples (an eval batch):
+  // every metric is a kWeightedMean, and num_examples grows by `weight`.
+  void AddSums(const std::map<std::string, double>& sums, double weight);
+
   bool empty() const { return steps_ == 0; }
-  // The period's summary metrics; then starts a new period.
+  int64_t steps() const { return steps_; }
+  const Entries& entries() const { return entries_; }
+
+  // Summary values of (possibly combined) entries: means divide by their weight
+  // (0 when it is 0); sums, maxima and last values are taken as they are.
+  static MetricMap Finalize(const Entries& entries);
+  // Finalize(entries()), then starts a new period.
   MetricMap Flush();
+  void Clear();
+
   // The unfinished period, exactly (hex floats), for checkpoints; RestoreState
   // throws InvalidArgumentError on text SaveState did not write.
   std::string SaveState() const;
   void RestoreState(const std::string& text);
 
  private:
+  Entry& EntryFor(const std::string& name);
+
+  std::map<std::string, MetricReduction> reductions_;
   int64_t steps_ = 0;
-  double examples_ = 0;
-  std::map<std::string, double> sums_;  // weighted by examples where that applies
-  MetricMap last_;
+  Entries entries_;
 };
 
 }  // namespace lockstep

@@ -63,8 +63,8 @@ struct StepOptions {
   std::optional<LrSchedule> schedule;
   // Data parallelism across ranks; null trains this process alone. With it, the
   // loss is normalised by the total example weight of the global batch, gradients
-  // are summed across ranks (bucketed, during the last microbatch's backward) and
-  // the step's metrics are global. Not owned.
+  // are summed across ranks (bucketed, during the last microbatch's backward); the
+  // step's metrics stay this rank's (MetricsManager combines them). Not owned.
   DataParallel* data_parallel = nullptr;
   // Also report, per parameter tensor, "weights/<name>/rms", "weights/<name>/max"
   // (largest magnitude) and "weights/<name>/update_ratio" (||update|| / ||before||).
@@ -78,10 +78,12 @@ struct StepOptions {
 
 // Runs one optimizer step on `state` (and increments state.step). The batch is
 // moved to the device of the model's parameters when it is elsewhere. Returns the
-// step's metrics: loss, accuracy (when outputs are [N, C] logits and targets are
-// integer classes), learning_rate, gradients_l2norm (before clipping),
-// weights_l2norm (after the update), seconds_per_step, examples_per_second and
-// num_examples, all over the global batch when data-parallel. Throws
+// step's metrics: loss and accuracy (when outputs are [N, C] logits and targets
+// are integer classes) over this rank's examples, weighted as the batch says, and
+// num_examples (their total weight: the count when unweighted), none of the three
+// for a rank with an empty shard but num_examples = 0; learning_rate,
+// gradients_l2norm (before clipping) and weights_l2norm (after the update), the
+// same on every rank. Timing is MetricsManager's. Throws
 // InvalidArgumentError for an empty batch (allowed on a data-parallel rank whose
 // shard is empty), a bad option, or a loss that is not one value per example.
 MetricMap RunTrainStep(TrainState& state, const Batch& batch, const ApplyFn& apply, const LossFn& loss,

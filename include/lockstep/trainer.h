@@ -1,8 +1,10 @@
 // BaseTrainer and Trainer: the train / eval loop over partitioned steps.
 //
 // BaseTrainer owns the loop: it pulls batches, calls the partitioned TrainStep that
-// a subclass overrides, keeps state.step, averages metrics over each summary
-// period and hands summaries to the sinks (on rank 0 only). Trainer is the default
+// a subclass overrides, keeps state.step, and feeds one MetricsManager per task
+// (train and each eval set) that combines each summary period over the ranks of
+// its communicator; rank 0 hands summaries to the sinks (training thread) and the
+// writers (background thread), and runs the actions. Trainer is the default
 // subclass: microbatched gradient accumulation, global-norm clipping and an LR
 // schedule, through the step implementation in step.h that TrainLoop shares.
 //
@@ -19,6 +21,7 @@
 
 #include <cstdint>
 #include <functional>
+#include <map>
 #include <memory>
 #include <optional>
 #include <string>
@@ -30,6 +33,7 @@
 #include "lockstep/data.h"
 #include "lockstep/data_parallel.h"
 #include "lockstep/metrics.h"
+#include "lockstep/metrics_manager.h"
 #include "lockstep/runtime.h"
 #include "lockstep/step.h"
 #include "lockstep/train_state.h"
@@ -43,9 +47,14 @@ class BaseTrainer {
  public:
   // `state` is borrowed and must outlive the trainer. Not owned.
   BaseTrainer(TrainState& state, Runtime runtime);
-  virtual ~BaseTrainer() = default;
+  virtual ~BaseTrainer();  // closes the writers; an error there is only logged
   BaseTrainer(const BaseTrainer&) = delete;
   BaseTrainer& operator=(const BaseTrainer&) = delete;
+
+  // The ranks that train together: metrics and eval sums are combined over them and
+  // rank 0's halting decision is shared with them. Null or a world of one: this
+  // process alone. Set it before the first Train or Eval. Not owned.
+  void set_communicator(Communicator* communicator, CollectiveOptions options = {});
 
   // Runs `num_steps` train steps on batches from `data`, starting at `start_step`
   // (default: state.step). Every `summary_every_steps` steps, and after the last
@@ -56,12 +65,22 @@ class BaseTrainer {
   MetricMap Train(BatchIterator& data, int64_t num_steps, std::optional<int64_t> start_step = std::nullopt);
 
   // Evaluates each named set until its iterator is exhausted and sends one summary
-  // per set to the sinks. Returns set name -> metric means.
+  // per set to the sinks. Returns set name -> metric means over all ranks.
   std::vector<std::pair<std::string, MetricMap>> Eval(const NamedBatchIterators& sets);
 
+  // Rank 0 only (other ranks ignore them). A sink runs on the training thread when
+  // a summary is made (a progress bar, a test's recorder); a writer runs on the
+  // background writer thread, in order (files, stdout). Add writers before the
+  // first Train or Eval; an InvalidArgumentError says so otherwise.
   void AddSummarySink(SummarySink sink) { sinks_.push_back(std::move(sink)); }
+  void AddSummaryWriter(SummarySink writer);
+  // Writes everything queued and stops the writer thread; rethrows the first
+  // error a writer threw. Idempotent; later summaries reach the sinks only.
+  void CloseWriters();
+  // How a metric combines over steps and ranks, for every task (see metrics.h).
+  void SetMetricReduction(const std::string& name, MetricReduction reduction);
   // Runs after every summary; a halt stops Train after the current step on every
-  // rank (the decision is rank 0's, shared through AgreeOnHalt).
+  // rank (the decision is rank 0's, shared with every rank).
   void AddAction(std::unique_ptr<Action> action) { actions_.push_back(std::move(action)); }
   // Why training stopped early, if an action stopped it.
   const HaltDecision& halt() const { return halt_; }
@@ -73,10 +92,10 @@ class BaseTrainer {
   void set_stop_check(std::function<bool(int64_t step)> check) { stop_check_ = std::move(check); }
   // Whether the last Train call ended through the stop check.
   bool stopped_by_check() const { return stopped_by_check_; }
-  // The unfinished summary period and the actions' state, for checkpoints, so that
-  // a resumed run prints and decides exactly as an uninterrupted one.
+  // This rank's unfinished summary period and the actions' state, for checkpoints,
+  // so that a resumed run prints and decides exactly as an uninterrupted one.
   // RestoreTrainerState throws InvalidArgumentError on text it did not write.
-  std::string SaveTrainerState() const;
+  std::string SaveTrainerState();
   void RestoreTrainerState(const std::string& state);
 
   TrainState& state() { return state_; }
@@ -84,27 +103,36 @@ class BaseTrainer {
 
  protected:
   // One partitioned train step on this rank's shard of a global batch. Must apply
-  // exactly one optimizer update and increment state().step. Returns its metrics.
+  // exactly one optimizer update and increment state().step. Returns this rank's
+  // metrics (its loss over its examples, num_examples = its examples); BaseTrainer
+  // combines them over ranks once per summary period.
   virtual MetricMap TrainStep(const Batch& batch) = 0;
-  // Metric sums of one eval batch of this rank's shard.
+  // Metric sums of one eval batch of this rank's shard; combined over ranks.
   virtual MetricSums EvalStep(const Batch& batch) = 0;
-  // Combines one eval set's sums over ranks (default: this rank's alone).
-  virtual void ReduceEvalSums(MetricSums& /*sums*/) {}
 
-  // Shares rank 0's decision with every rank (default: a world of one).
-  virtual HaltDecision AgreeOnHalt(const HaltDecision& rank0_decision) { return rank0_decision; }
-
-  // Hands the summary to the sinks and actions (rank 0), then agrees on halting.
-  void Emit(const Summary& summary);
+  Communicator* communicator() const { return communicator_; }
+  const CollectiveOptions& collective_options() const { return collective_; }
+  // The task's manager, made on first use.
+  MetricsManager& metrics_manager(const std::string& task);
 
  private:
+  // Hands the summary to the sinks and actions (rank 0), then agrees on halting.
+  void Emit(const Summary& summary);
+  // Shares rank 0's decision with every rank.
+  HaltDecision AgreeOnHalt(const HaltDecision& rank0_decision);
+
   TrainState& state_;  // Not owned.
   const Runtime runtime_;
+  Communicator* communicator_ = nullptr;  // Not owned.
+  CollectiveOptions collective_;
   int64_t summary_every_steps_ = 100;
   std::vector<SummarySink> sinks_;
+  std::vector<SummarySink> writer_sinks_;
+  std::shared_ptr<AsyncSummaryWriter> writer_;  // rank 0, made with the first manager
+  std::map<std::string, MetricReduction> reductions_;
+  std::map<std::string, std::unique_ptr<MetricsManager>> managers_;
   std::vector<std::unique_ptr<Action>> actions_;
   HaltDecision halt_;
-  MetricsAccumulator period_;  // the train summary period in progress
   std::function<bool(int64_t)> stop_check_;
   bool stopped_by_check_ = false;
 };
@@ -137,8 +165,6 @@ class Trainer : public BaseTrainer {
  protected:
   MetricMap TrainStep(const Batch& batch) override;
   MetricSums EvalStep(const Batch& batch) override;
-  void ReduceEvalSums(MetricSums& sums) override;
-  HaltDecision AgreeOnHalt(const HaltDecision& rank0_decision) override;
 
  private:
   const ApplyFn apply_;

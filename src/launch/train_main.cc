@@ -477,26 +477,23 @@ int Train(const config::TrainerConfig& cfg, const Runtime& runtime, const std::s
     if (checkpoints_for_update != nullptr) checkpoints_for_update->AwaitSnapshot();
   };
   Trainer trainer(state, model.apply, CrossEntropyLoss(), options, runtime);
-  // Rank 0 alone writes: stdout, TensorBoard events and JSONL, on a background
-  // thread so that the training thread never waits on I/O.
+  // Rank 0 alone writes: stdout, TensorBoard events and JSONL, on the trainer's
+  // background writer thread so that the training thread never waits on I/O.
   // On a terminal, a progress bar replaces the train lines; plots at the end.
-  std::unique_ptr<AsyncSummaryWriter> writer;
   std::shared_ptr<ProgressBar> progress;
   auto plotter = std::make_shared<CurvePlotter>();
   if (runtime.is_chief()) {
     auto events = std::make_shared<TensorBoardWriter>(output_dir.string());
     auto jsonl = std::make_shared<JsonlWriter>(output_dir.string());
-    std::vector<SummarySink> sinks = {[events](const Summary& s) { (*events)(s); },
-                                      [jsonl](const Summary& s) { (*jsonl)(s); },
-                                      [plotter](const Summary& s) { (*plotter)(s); }};
+    trainer.AddSummaryWriter([events](const Summary& s) { (*events)(s); });
+    trainer.AddSummaryWriter([jsonl](const Summary& s) { (*jsonl)(s); });
+    trainer.AddSummaryWriter([plotter](const Summary& s) { (*plotter)(s); });
     if (UseProgressBar(cfg.progress(), runtime)) {
       progress = std::make_shared<ProgressBar>(cfg.num_train_steps());
-      sinks.push_back([progress](const Summary& s) { (*progress)(s); });
+      trainer.AddSummaryWriter([progress](const Summary& s) { (*progress)(s); });
     } else {
-      sinks.push_back(StdoutLogger{});
+      trainer.AddSummaryWriter(StdoutLogger{});
     }
-    writer = std::make_unique<AsyncSummaryWriter>(std::move(sinks));
-    trainer.AddSummarySink(writer->AsSink());
   }
 
   if (cfg.terminate_on_nan()) trainer.AddAction(std::make_unique<TerminateOnNanAction>("train", kLoss));
@@ -627,7 +624,7 @@ int Train(const config::TrainerConfig& cfg, const Runtime& runtime, const std::s
   if (exit_code == 0 && test.empty()) test = evaluate();  // resumed at or past num_train_steps
   if (exit_code == 0 && cfg.checkpoint().final() && last_saved != state.step) save(false);
   checkpoints.Wait();
-  if (writer) writer->Close();  // everything written before the last line
+  trainer.CloseWriters();  // everything written before the last line
   if (progress) progress->Finish();
   if (runtime.is_chief() && exit_code == 0) {
     const std::vector<std::string> plots = plotter->WritePlots(output_dir.string());

@@ -1,5 +1,6 @@
 #include "lockstep/metrics.h"
 
+#include <algorithm>
 #include <cinttypes>
 #include <cstdio>
 #include <cstdlib>
@@ -17,11 +18,17 @@ namespace {
 bool EndsWith(const std::string& s, const std::string& suffix) {
   return s.size() >= suffix.size() && s.compare(s.size() - suffix.size(), suffix.size(), suffix) == 0;
 }
-bool KeepsLast(const std::string& name) {
-  return name == kLearningRate || name == kWeightsL2Norm ||
-         (name.rfind("weights/", 0) == 0 && (EndsWith(name, "/rms") || EndsWith(name, "/max")));
+
+const char* ReductionName(MetricReduction r) {
+  switch (r) {
+    case MetricReduction::kWeightedMean: return "weighted_mean";
+    case MetricReduction::kMean: return "mean";
+    case MetricReduction::kSum: return "sum";
+    case MetricReduction::kMax: return "max";
+    case MetricReduction::kLast: return "last";
+  }
+  return "?";
 }
-bool WeightedByExamples(const std::string& name) { return name == kLoss || name == kAccuracy; }
 
 }  // namespace
 
@@ -42,54 +49,103 @@ void StdoutLogger::operator()(const Summary& summary) const {
   std::fflush(stream);
 }
 
+MetricReduction DefaultReduction(const std::string& name) {
+  if (name == kLoss || name == kAccuracy) return MetricReduction::kWeightedMean;
+  if (name == kNumExamples) return MetricReduction::kSum;
+  if (name == kLearningRate || name == kGradientsL2Norm || name == kWeightsL2Norm) return MetricReduction::kLast;
+  if (name.rfind("weights/", 0) == 0 &&
+      (EndsWith(name, "/rms") || EndsWith(name, "/max") || EndsWith(name, "/update_ratio"))) {
+    return MetricReduction::kLast;
+  }
+  return MetricReduction::kMean;
+}
+
+MetricReduction MetricsAccumulator::reduction(const std::string& name) const {
+  const auto it = reductions_.find(name);
+  return it == reductions_.end() ? DefaultReduction(name) : it->second;
+}
+
+MetricsAccumulator::Entry& MetricsAccumulator::EntryFor(const std::string& name) {
+  auto [it, inserted] = entries_.try_emplace(name);
+  if (inserted) it->second.reduction = reduction(name);
+  return it->second;
+}
+
 void MetricsAccumulator::Add(const MetricMap& m) {
   ++steps_;
   const auto it = m.find(kNumExamples);
   const double examples = it == m.end() ? 1.0 : it->second;
-  examples_ += examples;
   for (const auto& [name, value] : m) {
-    if (KeepsLast(name)) {
-      last_[name] = value;
-    } else if (WeightedByExamples(name)) {
-      sums_[name] += value * examples;
-    } else {
-      sums_[name] += value;
+    Entry& e = EntryFor(name);
+    switch (e.reduction) {
+      case MetricReduction::kWeightedMean:
+        e.value += value * examples;
+        e.weight += examples;
+        break;
+      case MetricReduction::kMean:
+      case MetricReduction::kSum:
+        e.value += value;
+        e.weight += 1;
+        break;
+      case MetricReduction::kMax:
+        e.value = e.weight == 0 ? value : std::max(e.value, value);
+        e.weight += 1;
+        break;
+      case MetricReduction::kLast:
+        e.value = value;
+        e.weight += 1;
+        break;
     }
   }
 }
 
-MetricMap MetricsAccumulator::Flush() {
-  MetricMap out = last_;
-  for (const auto& [name, sum] : sums_) {
-    if (name == kNumExamples) {
-      out[name] = sum;
-    } else if (WeightedByExamples(name)) {
-      out[name] = examples_ > 0 ? sum / examples_ : 0.0;
+void MetricsAccumulator::AddSums(const std::map<std::string, double>& sums, double weight) {
+  ++steps_;
+  for (const auto& [name, sum] : sums) {
+    Entry& e = entries_[name];
+    e.reduction = MetricReduction::kWeightedMean;
+    e.value += sum;
+    e.weight += weight;
+  }
+  Entry& examples = EntryFor(kNumExamples);
+  examples.value += weight;
+  examples.weight += 1;
+}
+
+MetricMap MetricsAccumulator::Finalize(const Entries& entries) {
+  MetricMap out;
+  for (const auto& [name, e] : entries) {
+    if (e.reduction == MetricReduction::kWeightedMean || e.reduction == MetricReduction::kMean) {
+      out[name] = e.weight > 0 ? e.value / e.weight : 0.0;
     } else {
-      out[name] = sum / static_cast<double>(steps_);
+      out[name] = e.value;
     }
   }
-  const auto seconds = sums_.find(kSecondsPerStep);
-  if (seconds != sums_.end() && seconds->second > 0) {
-    out[kExamplesPerSecond] = examples_ / seconds->second;
-    out[kStepsPerSecond] = static_cast<double>(steps_) / seconds->second;
-  }
-  steps_ = 0;
-  examples_ = 0;
-  sums_.clear();
-  last_.clear();
   return out;
 }
 
+MetricMap MetricsAccumulator::Flush() {
+  MetricMap out = Finalize(entries_);
+  Clear();
+  return out;
+}
+
+void MetricsAccumulator::Clear() {
+  steps_ = 0;
+  entries_.clear();
+}
+
 std::string MetricsAccumulator::SaveState() const {
-  std::string out = absl::StrFormat("steps %d\nexamples %a\n", steps_, examples_);
-  for (const auto& [name, value] : sums_) absl::StrAppendFormat(&out, "sum %s %a\n", name, value);
-  for (const auto& [name, value] : last_) absl::StrAppendFormat(&out, "last %s %a\n", name, value);
+  std::string out = absl::StrFormat("steps %d\n", steps_);
+  for (const auto& [name, e] : entries_) {
+    absl::StrAppendFormat(&out, "entry %s %s %a %a\n", name, ReductionName(e.reduction), e.value, e.weight);
+  }
   return out;
 }
 
 void MetricsAccumulator::RestoreState(const std::string& text) {
-  MetricsAccumulator restored;
+  int64_t steps = 0;
+  Entries entries;
   for (absl::string_view line : absl::StrSplit(text, '\n', absl::SkipEmpty())) {
     std::vector<std::string> f = absl::StrSplit(line, ' ');
     auto number = [&](const std::string& field) {
@@ -101,18 +157,27 @@ void MetricsAccumulator::RestoreState(const std::string& text) {
       return value;
     };
     if (f.size() == 2 && f[0] == "steps") {
-      restored.steps_ = static_cast<int64_t>(number(f[1]));
-    } else if (f.size() == 2 && f[0] == "examples") {
-      restored.examples_ = number(f[1]);
-    } else if (f.size() == 3 && f[0] == "sum") {
-      restored.sums_[f[1]] = number(f[2]);
-    } else if (f.size() == 3 && f[0] == "last") {
-      restored.last_[f[1]] = number(f[2]);
+      steps = static_cast<int64_t>(number(f[1]));
+    } else if (f.size() == 5 && f[0] == "entry") {
+      Entry e;
+      bool known = false;
+      for (MetricReduction r : {MetricReduction::kWeightedMean, MetricReduction::kMean, MetricReduction::kSum,
+                                MetricReduction::kMax, MetricReduction::kLast}) {
+        if (f[2] == ReductionName(r)) {
+          e.reduction = r;
+          known = true;
+        }
+      }
+      if (!known) throw InvalidArgumentError(absl::StrCat("metrics state: unknown reduction in '", line, "'"));
+      e.value = number(f[3]);
+      e.weight = number(f[4]);
+      entries[f[1]] = e;
     } else {
       throw InvalidArgumentError(absl::StrCat("metrics state: unexpected line '", line, "'"));
     }
   }
-  *this = std::move(restored);
+  steps_ = steps;
+  entries_ = std::move(entries);
 }
 
 }  // namespace lockstep

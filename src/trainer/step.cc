@@ -4,7 +4,6 @@
 #include <ATen/core/grad_mode.h>
 #include <torch/nn/utils/clip_grad.h>
 
-#include <chrono>
 #include <string>
 
 #include "lockstep/data_parallel.h"
@@ -71,7 +70,6 @@ double GlobalL2Norm(const std::vector<at::Tensor>& tensors) {
 
 MetricMap RunTrainStep(TrainState& state, const Batch& host_batch, const ApplyFn& apply, const LossFn& loss,
                        const StepOptions& options) {
-  const auto start = std::chrono::steady_clock::now();
   if (!state.model || !state.optimizer) throw InvalidArgumentError("train step: the state has no model or optimizer");
   const std::vector<at::Tensor> params = state.model->parameters();
   const Batch batch = OnDeviceOf(params, host_batch);
@@ -96,7 +94,8 @@ MetricMap RunTrainStep(TrainState& state, const Batch& host_batch, const ApplyFn
   state.model->train();
   optimizer.zero_grad();
   const bool weighted = batch.weights.defined();
-  double total_weight = weighted ? batch.weights.sum().item<double>() : static_cast<double>(n);
+  const double local_weight = weighted ? batch.weights.sum().item<double>() : static_cast<double>(n);
+  double total_weight = local_weight;
   // Data-parallel: the loss is normalised by the weight of the global batch, summed
   // over ranks while the first microbatch's forward runs.
   at::Tensor global_weight;
@@ -147,19 +146,6 @@ MetricMap RunTrainStep(TrainState& state, const Batch& host_batch, const ApplyFn
 
   if (data_parallel != nullptr) data_parallel->bucketer().Finish();
 
-  // loss sum, correct sum, examples, whether accuracy applies: summed over ranks
-  // while the optimizer steps.
-  at::Tensor stats = at::zeros({4}, at::kDouble);
-  auto* global = stats.data_ptr<double>();
-  if (loss_sum.defined()) global[0] = loss_sum.item<double>();
-  if (correct_sum.defined()) {
-    global[1] = correct_sum.item<double>();
-    global[3] = 1;
-  }
-  global[2] = static_cast<double>(n);
-  std::shared_ptr<Work> stats_work;
-  if (data_parallel != nullptr) stats_work = data_parallel->AllReduceSumAsync(stats);
-
   double grad_norm = 0.0;
   if (options.max_grad_norm > 0) {
     grad_norm = torch::nn::utils::clip_grad_norm_(params, options.max_grad_norm);
@@ -173,15 +159,18 @@ MetricMap RunTrainStep(TrainState& state, const Batch& host_batch, const ApplyFn
   if (options.before_update) options.before_update();
   optimizer.step();
   ++state.step;
-  if (stats_work) data_parallel->Wait(*stats_work);
 
+  // This rank's values; MetricsManager combines ranks once per summary period. A
+  // rank whose shard was empty reports no loss.
   MetricMap metrics;
-  metrics[kLoss] = global[0] / total_weight;
-  if (global[3] > 0) metrics[kAccuracy] = global[1] / total_weight;
+  if (loss_sum.defined() && local_weight > 0) {
+    metrics[kLoss] = loss_sum.item<double>() / local_weight;
+    if (correct_sum.defined()) metrics[kAccuracy] = correct_sum.item<double>() / local_weight;
+  }
   metrics[kLearningRate] = learning_rate;
   metrics[kGradientsL2Norm] = grad_norm;
   metrics[kWeightsL2Norm] = GlobalL2Norm(params);
-  metrics[kNumExamples] = global[2];
+  metrics[kNumExamples] = local_weight;
   if (options.weight_metrics) {
     const auto named = state.model->named_parameters();
     for (const auto& [name, old_value] : before) {
@@ -192,9 +181,6 @@ MetricMap RunTrainStep(TrainState& state, const Batch& host_batch, const ApplyFn
       metrics["weights/" + name + "/update_ratio"] = norm > 0 ? (now - old_value).norm().item<double>() / norm : 0.0;
     }
   }
-  const double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
-  metrics[kSecondsPerStep] = seconds;
-  metrics[kExamplesPerSecond] = seconds > 0 ? global[2] / seconds : 0.0;
   return metrics;
 }
 

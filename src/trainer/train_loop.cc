@@ -1,5 +1,7 @@
 #include "lockstep/train_loop.h"
 
+#include "lockstep/metrics_manager.h"
+
 #include <algorithm>
 #include <optional>
 
@@ -31,18 +33,19 @@ void TrainLoop::Iterator::Advance() {
   const TrainLoop& loop = *run_->loop;
   TrainState& state = run_->checkpoint.state;
   const int64_t steps = std::min(loop.n_steps_per_checkpoint, loop.n_steps - state.step);
-  MetricsAccumulator period;
+  MetricsManager period(MetricsManager::Options{});
+  period.StartTimer();
   for (int64_t i = 0; i < steps; ++i) {
     std::optional<Batch> batch = loop.task.data->Next();
     if (!batch) break;
-    period.Add(RunTrainStep(state, *batch, loop.task.apply, loop.task.loss, loop.task.options));
+    period.AddStep(RunTrainStep(state, *batch, loop.task.apply, loop.task.loss, loop.task.options));
   }
   if (period.empty()) {
     run_->done = true;
     return;
   }
   run_->checkpoint.step = state.step;
-  run_->checkpoint.metrics = period.Flush();
+  run_->checkpoint.metrics = period.Flush(state.step).metrics;
 }
 
 Summary EvalLoop::operator()(const Checkpoint& checkpoint) const {

@@ -5,15 +5,62 @@
 
 #include <ATen/ATen.h>
 
+#include <cstdio>
 #include <cstdlib>
 #include <cstring>
 #include <vector>
 
 #include "lockstep/errors.h"
+#include "lockstep/summary_writers.h"
 
 namespace lockstep {
 
 BaseTrainer::BaseTrainer(TrainState& state, Runtime runtime) : state_(state), runtime_(std::move(runtime)) {}
+
+BaseTrainer::~BaseTrainer() {
+  try {
+    CloseWriters();
+  } catch (const std::exception& e) {
+    std::fprintf(stderr, "lockstep: a summary writer failed: %s\n", e.what());
+  }
+}
+
+void BaseTrainer::set_communicator(Communicator* communicator, CollectiveOptions options) {
+  if (!managers_.empty()) throw InvalidArgumentError("set_communicator: call it before the first Train or Eval");
+  communicator_ = communicator;
+  collective_ = options;
+}
+
+void BaseTrainer::AddSummaryWriter(SummarySink writer) {
+  if (!managers_.empty()) throw InvalidArgumentError("AddSummaryWriter: add writers before the first Train or Eval");
+  writer_sinks_.push_back(std::move(writer));
+}
+
+void BaseTrainer::CloseWriters() {
+  if (writer_) writer_->Close();
+}
+
+void BaseTrainer::SetMetricReduction(const std::string& name, MetricReduction reduction) {
+  reductions_[name] = reduction;
+  for (auto& [task, manager] : managers_) manager->SetReduction(name, reduction);
+}
+
+MetricsManager& BaseTrainer::metrics_manager(const std::string& task) {
+  std::unique_ptr<MetricsManager>& manager = managers_[task];
+  if (!manager) {
+    if (runtime_.is_chief() && !writer_sinks_.empty() && !writer_) {
+      writer_ = std::make_shared<AsyncSummaryWriter>(writer_sinks_);
+    }
+    MetricsManager::Options options;
+    options.task = task;
+    options.communicator = communicator_;
+    options.collective = collective_;
+    if (runtime_.is_chief()) options.writer = writer_;
+    manager = std::make_unique<MetricsManager>(std::move(options));
+    for (const auto& [name, reduction] : reductions_) manager->SetReduction(name, reduction);
+  }
+  return *manager;
+}
 
 void BaseTrainer::set_summary_every_steps(int64_t steps) {
   if (steps <= 0) throw InvalidArgumentError("summary_every_steps must be positive, got " + std::to_string(steps));
@@ -34,23 +81,50 @@ void BaseTrainer::Emit(const Summary& summary) {
   if (decision.halt && !halt_.halt) halt_ = decision;
 }
 
+HaltDecision BaseTrainer::AgreeOnHalt(const HaltDecision& rank0_decision) {
+  if (communicator_ == nullptr || communicator_->world_size() == 1) return rank0_decision;
+  // [halt, failure, reason length] then the reason's bytes, from rank 0.
+  at::Tensor head = at::tensor({static_cast<int64_t>(rank0_decision.halt), static_cast<int64_t>(rank0_decision.failure),
+                                static_cast<int64_t>(rank0_decision.reason.size())},
+                               at::kLong);
+  communicator_->Broadcast(head, 0, collective_);
+  HaltDecision decision;
+  decision.halt = head[0].item<int64_t>() != 0;
+  decision.failure = head[1].item<int64_t>() != 0;
+  const int64_t length = head[2].item<int64_t>();
+  if (length > 0) {
+    at::Tensor text = at::zeros({length}, at::kByte);
+    if (communicator_->rank() == 0) std::memcpy(text.data_ptr(), rank0_decision.reason.data(), length);
+    communicator_->Broadcast(text, 0, collective_);
+    decision.reason.assign(static_cast<const char*>(text.data_ptr()), length);
+  }
+  return decision;
+}
+
 MetricMap BaseTrainer::Train(BatchIterator& data, int64_t num_steps, std::optional<int64_t> start_step) {
   if (num_steps < 0) throw InvalidArgumentError("Train: num_steps must be >= 0, got " + std::to_string(num_steps));
   if (start_step) {
     if (*start_step < 0) throw InvalidArgumentError("Train: start_step must be >= 0");
     state_.step = *start_step;
   }
+  MetricsManager& period = metrics_manager("train");
+  period.StartTimer();
+  struct StopTimer {
+    MetricsManager& m;
+    ~StopTimer() { m.StopTimer(); }
+  } stop_timer{period};
   MetricMap last;
   stopped_by_check_ = false;
   auto flush = [&] {
-    last = period_.Flush();
-    Emit(Summary{"train", state_.step, last});
+    Summary summary = period.Flush(state_.step);
+    last = summary.metrics;
+    Emit(summary);
   };
   for (int64_t i = 0; i < num_steps && !halt_.halt; ++i) {
     std::optional<Batch> batch = data.Next();
     if (!batch) break;
     const int64_t before = state_.step;
-    period_.Add(TrainStep(*batch));
+    period.AddStep(TrainStep(*batch));
     if (state_.step != before + 1) {
       throw Error("TrainStep must advance state.step by exactly one (went from " + std::to_string(before) + " to " +
                   std::to_string(state_.step) + ")");
@@ -62,7 +136,7 @@ MetricMap BaseTrainer::Train(BatchIterator& data, int64_t num_steps, std::option
       return last;  // the unfinished period stays for the checkpoint
     }
   }
-  if (!period_.empty()) flush();
+  if (!period.empty()) flush();
   return last;
 }
 
@@ -70,12 +144,14 @@ std::vector<std::pair<std::string, MetricMap>> BaseTrainer::Eval(const NamedBatc
   std::vector<std::pair<std::string, MetricMap>> results;
   for (const auto& [name, iterator] : sets) {
     if (iterator == nullptr) throw InvalidArgumentError("Eval: no iterator for eval set '" + name + "'");
-    MetricSums total;
-    while (std::optional<Batch> batch = iterator->Next()) total.Merge(EvalStep(*batch));
-    ReduceEvalSums(total);
-    MetricMap means = total.Means();
-    Emit(Summary{name, state_.step, means});
-    results.emplace_back(name, std::move(means));
+    if (name == "train") throw InvalidArgumentError("Eval: 'train' is the train task's name; name the eval set otherwise");
+    MetricsManager& period = metrics_manager(name);
+    period.StartTimer();
+    while (std::optional<Batch> batch = iterator->Next()) period.AddSums(EvalStep(*batch));
+    period.StopTimer();
+    Summary summary = period.Flush(state_.step);
+    Emit(summary);
+    results.emplace_back(name, std::move(summary.metrics));
   }
   return results;
 }
@@ -102,51 +178,7 @@ Trainer::Trainer(TrainState& state, ApplyFn apply, LossFn loss, TrainerOptions o
                                                     options_.data_parallel);
     options_.step.data_parallel = data_parallel_.get();
   }
-}
-
-HaltDecision Trainer::AgreeOnHalt(const HaltDecision& rank0_decision) {
-  if (!data_parallel_) return rank0_decision;
-  // [halt, failure, reason length] then the reason's bytes, from rank 0.
-  at::Tensor head = at::tensor({static_cast<int64_t>(rank0_decision.halt), static_cast<int64_t>(rank0_decision.failure),
-                                static_cast<int64_t>(rank0_decision.reason.size())},
-                               at::kLong);
-  Communicator& comm = data_parallel_->communicator();
-  comm.Broadcast(head, 0, options_.data_parallel.collective);
-  HaltDecision decision;
-  decision.halt = head[0].item<int64_t>() != 0;
-  decision.failure = head[1].item<int64_t>() != 0;
-  const int64_t length = head[2].item<int64_t>();
-  if (length > 0) {
-    at::Tensor text = at::zeros({length}, at::kByte);
-    if (data_parallel_->rank() == 0) std::memcpy(text.data_ptr(), rank0_decision.reason.data(), length);
-    comm.Broadcast(text, 0, options_.data_parallel.collective);
-    decision.reason.assign(static_cast<const char*>(text.data_ptr()), length);
-  }
-  return decision;
-}
-
-void Trainer::ReduceEvalSums(MetricSums& sums) {
-  if (!data_parallel_) return;
-  // Every rank must hold the same metric names; a rank whose shard was empty has
-  // none, so the names are checked before the values are summed.
-  std::string names;
-  for (const auto& [name, sum] : sums.sums) names += name + ",";
-  at::Tensor check = at::tensor({static_cast<int64_t>(StableHash(names)), -static_cast<int64_t>(StableHash(names))},
-                                at::kLong);
-  data_parallel_->communicator().AllReduce(check, ReduceOp::kMax, options_.data_parallel.collective);
-  if (check[0].item<int64_t>() != -check[1].item<int64_t>()) {
-    throw Error("eval: ranks computed different metrics (a rank with an empty eval shard?): this rank has [" +
-                names + "]");
-  }
-  at::Tensor values = at::zeros({static_cast<int64_t>(sums.sums.size()) + 1}, at::kDouble);
-  auto* v = values.data_ptr<double>();
-  v[0] = sums.weight;
-  int64_t i = 1;
-  for (const auto& [name, sum] : sums.sums) v[i++] = sum;
-  data_parallel_->AllReduceSum(values);
-  sums.weight = v[0];
-  i = 1;
-  for (auto& [name, sum] : sums.sums) sum = v[i++];
+  set_communicator(options_.communicator, options_.data_parallel.collective);
 }
 
 MetricMap Trainer::TrainStep(const Batch& batch) { return RunTrainStep(state(), batch, apply_, loss_, options_.step); }
@@ -156,8 +188,8 @@ MetricSums Trainer::EvalStep(const Batch& batch) {
 }
 
 // "<length>:<bytes>" for the period, then for each action in order.
-std::string BaseTrainer::SaveTrainerState() const {
-  std::vector<std::string> parts = {period_.SaveState()};
+std::string BaseTrainer::SaveTrainerState() {
+  std::vector<std::string> parts = {metrics_manager("train").SaveState()};
   for (const auto& action : actions_) parts.push_back(action->SaveState());
   std::string out;
   for (const std::string& part : parts) out += std::to_string(part.size()) + ":" + part;
@@ -184,7 +216,7 @@ void BaseTrainer::RestoreTrainerState(const std::string& state) {
     throw InvalidArgumentError("trainer state: saved with " + std::to_string(parts.size() - 1) +
                                " actions, this trainer has " + std::to_string(actions_.size()));
   }
-  period_.RestoreState(parts[0]);
+  metrics_manager("train").RestoreState(parts[0]);
   for (size_t i = 0; i < actions_.size(); ++i) actions_[i]->RestoreState(parts[i + 1]);
 }
 

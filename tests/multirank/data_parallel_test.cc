@@ -11,6 +11,8 @@
 #include <string>
 
 #include "lockstep/data_parallel.h"
+#include "lockstep/errors.h"
+#include "lockstep/metrics_manager.h"
 #include "lockstep/mpi_communicator.h"
 #include "lockstep/trainer.h"
 #include "tests/testing/tiny_problem.h"
@@ -174,6 +176,47 @@ TEST_F(DataParallelTest, EvalIsReducedOverRanks) {
   EXPECT_EQ(ours.at(kNumExamples), 203);
   EXPECT_NEAR(ours.at(kAccuracy), reference.at(kAccuracy), 1e-12);
   EXPECT_NEAR(ours.at(kLoss), reference.at(kLoss), 1e-6);
+}
+
+TEST_F(DataParallelTest, MetricsManagerCombinesEachMetricOverRanks) {
+  MetricsManager::Options options;
+  options.communicator = comm_.get();
+  MetricsManager manager(options);
+  manager.SetReduction("peak_memory", MetricReduction::kMax);
+  manager.SetReduction("tokens", MetricReduction::kSum);
+  manager.StartTimer();
+  const double r = rank_;
+  for (int step = 0; step < 2; ++step) {
+    MetricMap m = {{kLoss, r + step}, {kNumExamples, r + 1}, {kLearningRate, 0.5 - r},
+                   {"peak_memory", 10 * r + step}, {"tokens", 3}, {"other", r}};
+    if (rank_ == 1) m["only_on_rank_1"] = 7;  // the union is combined
+    manager.AddStep(m);
+  }
+  const Summary s = manager.Flush(2);
+  double loss = 0, examples = 0, other = 0;
+  for (int q = 0; q < size_; ++q) {
+    loss += (q + 1) * (q + (q + 1));  // two steps of loss q and q + 1, weighted by q + 1
+    examples += 2 * (q + 1);
+    other += q;
+  }
+  EXPECT_DOUBLE_EQ(s.metrics.at(kLoss), loss / examples);
+  EXPECT_DOUBLE_EQ(s.metrics.at(kNumExamples), examples);
+  EXPECT_DOUBLE_EQ(s.metrics.at(kLearningRate), 0.5) << "rank 0's";
+  EXPECT_DOUBLE_EQ(s.metrics.at("peak_memory"), 10 * (size_ - 1) + 1);
+  EXPECT_DOUBLE_EQ(s.metrics.at("tokens"), 3 * 2 * size_);
+  EXPECT_DOUBLE_EQ(s.metrics.at("other"), other / size_);
+  EXPECT_DOUBLE_EQ(s.metrics.at("only_on_rank_1"), 7);
+  EXPECT_GT(s.metrics.at(kSecondsPerStep), 0);
+  // Every rank's summary is the same, timing included (the slowest rank's).
+  at::Tensor mine = at::tensor({s.metrics.at(kSecondsPerStep), s.metrics.at(kLoss)}, at::kDouble);
+  at::Tensor largest = mine.clone();
+  comm_->AllReduce(largest, ReduceOp::kMax);
+  EXPECT_TRUE(at::equal(mine, largest));
+
+  // Ranks that disagree on how a metric combines are told so, on every rank.
+  manager.SetReduction("contested", rank_ == 0 ? MetricReduction::kMean : MetricReduction::kMax);
+  manager.AddStep({{"contested", 1.0}});
+  EXPECT_THAT([&] { manager.Flush(3); }, ::testing::ThrowsMessage<Error>(HasSubstr("'contested'")));
 }
 
 TEST_F(DataParallelTest, AMismatchedModelFailsOnEveryRank) {

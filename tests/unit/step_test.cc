@@ -133,8 +133,7 @@ TEST(TrainStepTest, ReportsMetricsAccumulatedOverMicrobatches) {
   EXPECT_GT(m.at(kGradientsL2Norm), 0);
   EXPECT_NEAR(m.at(kWeightsL2Norm), GlobalL2Norm(model.module->parameters()), 1e-9);
   EXPECT_NE(m.at(kWeightsL2Norm), weights_before);
-  EXPECT_GT(m.at(kSecondsPerStep), 0);
-  EXPECT_NEAR(m.at(kExamplesPerSecond), 30 / m.at(kSecondsPerStep), 1e-6 * m.at(kExamplesPerSecond));
+  EXPECT_EQ(m.count(kSecondsPerStep), 0u) << "timing is MetricsManager's";
   EXPECT_EQ(m.at(kNumExamples), 30);
 }
 

@@ -4,10 +4,14 @@
 #include <gmock/gmock.h>
 #include <gtest/gtest.h>
 
+#include <chrono>
+#include <thread>
 #include <vector>
 
 #include "lockstep/errors.h"
 #include "lockstep/metrics.h"
+#include "lockstep/metrics_manager.h"
+#include "lockstep/summary_writers.h"
 #include "lockstep/train_loop.h"
 #include "lockstep/trainer.h"
 #include "tests/testing/tiny_problem.h"
@@ -104,10 +108,33 @@ TEST(BaseTrainerTest, OnlyRankZeroCallsSinks) {
   CountingTrainer trainer(state, rank1);
   int calls = 0;
   trainer.AddSummarySink([&](const Summary&) { ++calls; });
+  trainer.AddSummaryWriter([&](const Summary&) { ++calls; });
   ShardedBatchIterator data(TinyDataset(25), Sharding(10));
   trainer.Train(data, 3);
+  trainer.CloseWriters();
   EXPECT_EQ(state.step, 3);
   EXPECT_EQ(calls, 0);
+}
+
+TEST(BaseTrainerTest, WritersRunOnTheWriterThreadInOrderAndCloseDrainsThem) {
+  TrainState state;
+  CountingTrainer trainer(state, Runtime::SingleProcess());
+  trainer.set_summary_every_steps(2);
+  const std::thread::id training_thread = std::this_thread::get_id();
+  std::vector<int64_t> steps;
+  bool on_other_thread = true;
+  trainer.AddSummaryWriter([&](const Summary& s) {
+    on_other_thread = on_other_thread && std::this_thread::get_id() != training_thread;
+    std::this_thread::sleep_for(std::chrono::milliseconds(5));
+    steps.push_back(s.step);
+  });
+  ShardedBatchIterator data(TinyDataset(100), Sharding(10));
+  trainer.Train(data, 6);
+  trainer.CloseWriters();
+  EXPECT_THAT(steps, ElementsAre(2, 4, 6));
+  EXPECT_TRUE(on_other_thread);
+  EXPECT_THROW(trainer.AddSummaryWriter([](const Summary&) {}), InvalidArgumentError);
+  EXPECT_THROW(trainer.set_communicator(nullptr), InvalidArgumentError);
 }
 
 TEST(TrainerTest, LearnsAndTheCallerHoldsTheTrainedState) {
@@ -209,18 +236,86 @@ TEST(MetricsTest, SummaryLinesHaveTheDocumentedForm) {
                                             "Step    100: train loss | 0.41230000"));
 }
 
-TEST(MetricsTest, AccumulatorWeightsByExamplesAndKeepsTheLastLearningRate) {
+TEST(MetricsTest, AccumulatorCombinesEachMetricAsItsReductionSays) {
   MetricsAccumulator acc;
-  acc.Add({{kLoss, 1.0}, {kNumExamples, 10}, {kLearningRate, 0.1}, {kSecondsPerStep, 1.0}, {kGradientsL2Norm, 2}});
-  acc.Add({{kLoss, 4.0}, {kNumExamples, 30}, {kLearningRate, 0.2}, {kSecondsPerStep, 3.0}, {kGradientsL2Norm, 4}});
+  acc.SetReduction("queue_depth", MetricReduction::kMax);
+  acc.SetReduction("tokens", MetricReduction::kSum);
+  acc.Add({{kLoss, 1.0}, {kNumExamples, 10}, {kLearningRate, 0.1}, {kGradientsL2Norm, 2}, {"other", 5},
+           {"queue_depth", 7}, {"tokens", 100}});
+  acc.Add({{kLoss, 4.0}, {kNumExamples, 30}, {kLearningRate, 0.2}, {kGradientsL2Norm, 4}, {"other", 1},
+           {"queue_depth", 3}, {"tokens", 50}});
+  EXPECT_EQ(acc.steps(), 2);
   const MetricMap m = acc.Flush();
-  EXPECT_DOUBLE_EQ(m.at(kLoss), (10 * 1.0 + 30 * 4.0) / 40);
-  EXPECT_DOUBLE_EQ(m.at(kLearningRate), 0.2);
-  EXPECT_DOUBLE_EQ(m.at(kSecondsPerStep), 2.0);
-  EXPECT_DOUBLE_EQ(m.at(kExamplesPerSecond), 40 / 4.0);
-  EXPECT_DOUBLE_EQ(m.at(kStepsPerSecond), 2 / 4.0);
-  EXPECT_DOUBLE_EQ(m.at(kGradientsL2Norm), 3.0);
+  EXPECT_DOUBLE_EQ(m.at(kLoss), (10 * 1.0 + 30 * 4.0) / 40);  // weighted by examples
+  EXPECT_DOUBLE_EQ(m.at(kNumExamples), 40);                     // summed
+  EXPECT_DOUBLE_EQ(m.at(kLearningRate), 0.2);                   // last
+  EXPECT_DOUBLE_EQ(m.at(kGradientsL2Norm), 4);                  // last
+  EXPECT_DOUBLE_EQ(m.at("other"), 3.0);                         // mean over steps
+  EXPECT_DOUBLE_EQ(m.at("queue_depth"), 7);
+  EXPECT_DOUBLE_EQ(m.at("tokens"), 150);
   EXPECT_TRUE(acc.empty());
+}
+
+TEST(MetricsTest, AccumulatorStateRoundTripsExactlyAndRejectsGarbage) {
+  MetricsAccumulator acc;
+  acc.Add({{kLoss, 0.1}, {kNumExamples, 3}, {kLearningRate, 1.0 / 3}});
+  MetricsAccumulator restored;
+  restored.RestoreState(acc.SaveState());
+  EXPECT_EQ(restored.SaveState(), acc.SaveState());
+  EXPECT_EQ(restored.Flush(), acc.Flush());
+  EXPECT_THROW(restored.RestoreState("entry loss nonsense 1 2\n"), InvalidArgumentError);
+  EXPECT_THROW(restored.RestoreState("sum loss 0x1p+0\n"), InvalidArgumentError);
+}
+
+TEST(MetricsManagerTest, TimesThePeriodAndQueuesToTheWriterThread) {
+  std::vector<Summary> written;
+  auto writer = std::make_shared<AsyncSummaryWriter>(
+      std::vector<SummarySink>{[&](const Summary& s) { written.push_back(s); }});
+  MetricsManager::Options options;
+  options.task = "train";
+  options.writer = writer;
+  MetricsManager manager(options);
+  manager.AddStep({{kLoss, 1.0}, {kNumExamples, 8}});  // not timed: the timer is stopped
+  manager.StartTimer();
+  std::this_thread::sleep_for(std::chrono::milliseconds(60));
+  manager.AddStep({{kLoss, 3.0}, {kNumExamples, 8}});
+  manager.StopTimer();
+  std::this_thread::sleep_for(std::chrono::milliseconds(100));  // not counted
+  const Summary s = manager.Flush(2);
+  EXPECT_EQ(s.task, "train");
+  EXPECT_EQ(s.step, 2);
+  EXPECT_DOUBLE_EQ(s.metrics.at(kLoss), 2.0);
+  EXPECT_GE(s.metrics.at(kSecondsPerStep), 0.03);
+  EXPECT_LT(s.metrics.at(kSecondsPerStep), 0.08) << "time while stopped must not count";
+  EXPECT_NEAR(s.metrics.at(kStepsPerSecond), 1 / s.metrics.at(kSecondsPerStep), 1e-9);
+  EXPECT_NEAR(s.metrics.at(kExamplesPerSecond), 8 * s.metrics.at(kStepsPerSecond), 1e-9);
+  EXPECT_TRUE(manager.empty());
+  manager.Close();
+  ASSERT_EQ(written.size(), 1u);
+  EXPECT_EQ(written[0].metrics, s.metrics);
+}
+
+TEST(MetricsManagerTest, EvalSumsBecomeMeansOverAllExamples) {
+  MetricsManager manager(MetricsManager::Options{});
+  manager.AddSums(MetricSums{{{kLoss, 6.0}, {kAccuracy, 3.0}}, 4.0});
+  manager.AddSums(MetricSums{{{kLoss, 2.0}, {kAccuracy, 1.0}}, 4.0});
+  const Summary s = manager.Flush(10);
+  EXPECT_DOUBLE_EQ(s.metrics.at(kLoss), 1.0);
+  EXPECT_DOUBLE_EQ(s.metrics.at(kAccuracy), 0.5);
+  EXPECT_DOUBLE_EQ(s.metrics.at(kNumExamples), 8);
+}
+
+TEST(MetricsManagerTest, StateKeepsTheUnfinishedPeriod) {
+  MetricsManager a(MetricsManager::Options{});
+  a.AddStep({{kLoss, 0.7}, {kNumExamples, 2}});
+  MetricsManager b(MetricsManager::Options{});
+  b.RestoreState(a.SaveState());
+  b.AddStep({{kLoss, 0.1}, {kNumExamples, 2}});
+  EXPECT_THAT(b.SaveState(), ::testing::StartsWith("steps 2\nentry loss weighted_mean "));
+  EXPECT_THAT(b.SaveState(), ::testing::Not(HasSubstr("second")))
+      << "no timing, so that two runs' checkpoints compare equal";
+  EXPECT_DOUBLE_EQ(b.Flush(2).metrics.at(kLoss), 0.4);
+  EXPECT_THROW(b.RestoreState("seconds 1\n"), InvalidArgumentError);
 }
 
 }  // namespace
