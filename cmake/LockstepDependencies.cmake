@@ -2,6 +2,21 @@
 include(CMakeDependentOption)
 
 find_package(Torch REQUIRED)
+# TorchConfig lists c10 as an absolute library path next to its imported targets;
+# use the imported target instead, so that the exported Lockstep package names
+# targets that its own find_dependency(Torch) recreates, not paths of this machine.
+set(_torch_libraries)
+foreach(_lib IN LISTS TORCH_LIBRARIES)
+  if(IS_ABSOLUTE "${_lib}")
+    get_filename_component(_stem "${_lib}" NAME_WE)
+    string(REGEX REPLACE "^lib" "" _stem "${_stem}")
+    if(TARGET ${_stem})
+      set(_lib ${_stem})
+    endif()
+  endif()
+  list(APPEND _torch_libraries ${_lib})
+endforeach()
+set(TORCH_LIBRARIES ${_torch_libraries})
 find_package(Protobuf REQUIRED)
 find_package(gRPC CONFIG REQUIRED)
 find_package(absl CONFIG REQUIRED)

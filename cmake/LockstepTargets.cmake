@@ -1,4 +1,13 @@
 # Helpers shared by every Lockstep target.
+include(GNUInstallDirs)
+
+# __FILE__ (in the check macros' messages, in absl flags' help) names files
+# relative to the source and build roots, so that the installed libraries and
+# binaries carry no path of the tree they were built in. Debug info keeps full
+# paths, for debuggers.
+if(CMAKE_CXX_COMPILER_ID MATCHES "GNU|Clang")
+  add_compile_options("-fmacro-prefix-map=${PROJECT_SOURCE_DIR}/=" "-fmacro-prefix-map=${PROJECT_BINARY_DIR}/=")
+endif()
 
 # Our own code builds with -Wall -Wextra -Werror. Generated code does not take this.
 add_library(lockstep_warnings INTERFACE)
@@ -25,14 +34,22 @@ if(LOCKSTEP_USE_PCH)
 endif()
 
 # lockstep_library(NAME [NO_PCH] SOURCES... DEPS... PRIVATE_DEPS...): one static
-# library per layer. NO_PCH for layers that do not touch libtorch.
+# library per layer. NO_PCH for layers that do not touch libtorch. Every library
+# made here is installed and exported as Lockstep::<NAME without "lockstep_">
+# (see LockstepInstall.cmake) and linked by the umbrella target Lockstep::lockstep.
+# The warning flags and the precompiled header are build-tree only: a static
+# library exports its private dependencies as link-only, and they must not reach
+# the users of the installed package.
 function(lockstep_library name)
   cmake_parse_arguments(ARG "NO_PCH" "" "SOURCES;DEPS;PRIVATE_DEPS" ${ARGN})
   add_library(${name} STATIC ${ARG_SOURCES})
   target_include_directories(${name} PUBLIC
     $<BUILD_INTERFACE:${PROJECT_SOURCE_DIR}/include>
-    $<INSTALL_INTERFACE:include>)
-  target_link_libraries(${name} PUBLIC ${ARG_DEPS} PRIVATE lockstep_warnings ${ARG_PRIVATE_DEPS})
+    $<INSTALL_INTERFACE:${CMAKE_INSTALL_INCLUDEDIR}>)
+  target_link_libraries(${name} PUBLIC ${ARG_DEPS} PRIVATE $<BUILD_INTERFACE:lockstep_warnings> ${ARG_PRIVATE_DEPS})
+  string(REGEX REPLACE "^lockstep_" "" _export_name ${name})
+  set_target_properties(${name} PROPERTIES EXPORT_NAME ${_export_name})
+  set_property(GLOBAL APPEND PROPERTY LOCKSTEP_LIBRARIES ${name})
   if(NOT ARG_NO_PCH)
     lockstep_use_pch(${name})
   endif()

@@ -1,0 +1,215 @@
+#include "sharded_embedding_trainer.h"
+
+#include <ATen/ATen.h>
+#include <torch/nn/functional/activation.h>
+#include <torch/nn/functional/loss.h>
+#include <torch/optim/optimizer.h>
+#include <torch/utils.h>
+
+#include <algorithm>
+#include <cmath>
+#include <string>
+#include <utility>
+
+#include "lockstep/errors.h"
+#include "lockstep/metrics.h"
+
+namespace sharded_embedding {
+namespace F = torch::nn::functional;
+
+namespace {
+
+at::Tensor PerExampleCrossEntropy(const at::Tensor& logits, const at::Tensor& targets) {
+  return F::cross_entropy(logits, targets, F::CrossEntropyFuncOptions().reduction(torch::kNone));
+}
+
+double MaxAbsDiff(const at::Tensor& a, const at::Tensor& b) {
+  return a.numel() == 0 ? 0.0 : (a - b).abs().max().item<double>();
+}
+
+}  // namespace
+
+BagClassifierImpl::BagClassifierImpl(const at::Tensor& full_table, int rank, int world_size, int64_t hidden_dim,
+                                     int64_t num_classes) {
+  const int64_t dim = full_table.size(1);
+  if (world_size < 1 || dim % world_size != 0) {
+    throw lockstep::InvalidArgumentError("BagClassifier: the embedding dim " + std::to_string(dim) +
+                                         " must be a multiple of the world size " + std::to_string(world_size));
+  }
+  const int64_t width = dim / world_size;
+  shard = register_parameter("embedding_shard", full_table.slice(1, rank * width, (rank + 1) * width).clone());
+  hidden = register_module("hidden", torch::nn::Linear(dim, hidden_dim));
+  output = register_module("output", torch::nn::Linear(hidden_dim, num_classes));
+}
+
+at::Tensor BagClassifierImpl::Classify(const at::Tensor& features) { return output(F::relu(hidden(features))); }
+
+std::vector<at::Tensor> BagClassifierImpl::DenseParameters() const {
+  std::vector<at::Tensor> params = hidden->parameters();
+  for (const at::Tensor& p : output->parameters()) params.push_back(p);
+  return params;
+}
+
+// The same model without sharding: the full table, and a deep copy of the dense
+// layers taken at construction (before any update). Trained on the whole global
+// batch with plain autograd.
+struct UnshardedReference {
+  UnshardedReference(const at::Tensor& full_table, BagClassifierImpl& model, const lockstep::OptimizerFactory& factory)
+      : table(full_table.detach().clone().requires_grad_(true)),
+        hidden(std::dynamic_pointer_cast<torch::nn::LinearImpl>(model.hidden->clone())),
+        output(std::dynamic_pointer_cast<torch::nn::LinearImpl>(model.output->clone())) {
+    std::vector<at::Tensor> params = {table};
+    for (const at::Tensor& p : DenseParameters()) params.push_back(p);
+    optimizer = factory(params);
+  }
+
+  std::vector<at::Tensor> DenseParameters() const {
+    std::vector<at::Tensor> params = hidden->parameters();
+    for (const at::Tensor& p : output->parameters()) params.push_back(p);
+    return params;
+  }
+
+  // One update on the global batch; returns its loss before the update.
+  double Step(const GlobalBatch& global) {
+    optimizer->zero_grad();
+    const at::Tensor ids = global.ids.index({global.valid});
+    const at::Tensor targets = global.targets.index({global.valid});
+    at::Tensor logits = output->forward(F::relu(hidden->forward(BagMean(table, ids))));
+    at::Tensor loss = PerExampleCrossEntropy(logits, targets).mean();
+    loss.backward();
+    optimizer->step();
+    return loss.item<double>();
+  }
+
+  at::Tensor table;
+  std::shared_ptr<torch::nn::LinearImpl> hidden;
+  std::shared_ptr<torch::nn::LinearImpl> output;
+  std::unique_ptr<torch::optim::Optimizer> optimizer;
+};
+
+ShardedEmbeddingTrainer::ShardedEmbeddingTrainer(lockstep::TrainState& state, lockstep::Runtime runtime,
+                                                 lockstep::Communicator* communicator, ShardedEmbeddingOptions options,
+                                                 const at::Tensor& full_table)
+    : BaseTrainer(state, std::move(runtime)),
+      communicator_(communicator),
+      options_(std::move(options)),
+      group_(c10::make_intrusive<ColumnShardGroup>(
+          communicator, (options_.global_batch_size + communicator->world_size() - 1) / communicator->world_size(),
+          options_.collective)) {
+  if (dynamic_cast<BagClassifierImpl*>(state.model.get()) == nullptr || !state.optimizer) {
+    throw lockstep::InvalidArgumentError("ShardedEmbeddingTrainer: the state needs a BagClassifier and an optimizer");
+  }
+  if (options_.global_batch_size < 1) throw lockstep::InvalidArgumentError("global_batch_size must be positive");
+  // Metrics and eval sums are combined over these ranks, and halting is agreed
+  // with them, by BaseTrainer itself.
+  set_communicator(communicator_, options_.collective);
+  if (options_.check) {
+    if (!full_table.defined() || !options_.optimizer_factory) {
+      throw lockstep::InvalidArgumentError("ShardedEmbeddingTrainer: check needs the full table and an optimizer factory");
+    }
+    reference_ = std::make_unique<UnshardedReference>(full_table, model(), options_.optimizer_factory);
+  }
+}
+
+ShardedEmbeddingTrainer::~ShardedEmbeddingTrainer() = default;
+
+BagClassifierImpl& ShardedEmbeddingTrainer::model() { return static_cast<BagClassifierImpl&>(*state().model); }
+
+lockstep::MetricMap ShardedEmbeddingTrainer::TrainStep(const lockstep::Batch& batch) {
+  BagClassifierImpl& m = model();
+  m.train();
+  const GlobalBatch global = GatherGlobalBatch(*group_, batch.inputs, batch.targets);
+  if (global.num_examples == 0) throw lockstep::Error("TrainStep: the global batch is empty");
+  const int64_t n = batch.size();
+
+  state().optimizer->zero_grad();
+  // This rank's rows (the padding rows beyond n are dropped; their gradient is 0).
+  at::Tensor features = ShardedBagMean(m.shard, global.ids, group_).slice(0, 0, n);
+  at::Tensor logits = m.Classify(features);
+  at::Tensor losses = PerExampleCrossEntropy(logits, batch.targets);
+  // Normalised by the global batch: the sum over ranks of these losses is the
+  // global mean, and so is the sum of their gradients.
+  (losses.sum() / static_cast<double>(global.num_examples)).backward();
+
+  // The shard's gradient is complete (its backward gathered every rank's output
+  // gradient); the replicated dense layers' gradients are summed over ranks, with
+  // this rank's loss sum riding along for the check.
+  const at::Tensor loss_sum = losses.detach().sum().reshape({1});
+  const at::Tensor correct = logits.detach().argmax(1).eq(batch.targets).sum().to(at::kFloat).reshape({1});
+  std::vector<at::Tensor> dense = m.DenseParameters();
+  std::vector<at::Tensor> parts;
+  for (const at::Tensor& p : dense) {
+    if (!p.grad().defined()) p.mutable_grad() = at::zeros_like(p);  // no examples on this rank yet
+    parts.push_back(p.grad().reshape({-1}));
+  }
+  parts.push_back(loss_sum);
+  at::Tensor flat = at::cat(parts);
+  communicator_->AllReduce(flat, lockstep::ReduceOp::kSum, options_.collective);
+  int64_t offset = 0;
+  for (const at::Tensor& p : dense) {
+    p.mutable_grad().copy_(flat.slice(0, offset, offset + p.numel()).view_as(p));
+    offset += p.numel();
+  }
+  state().optimizer->step();
+  ++state().step;
+
+  if (reference_) {
+    const double global_loss = flat[offset].item<double>() / static_cast<double>(global.num_examples);
+    CompareWithReference(global_loss, reference_->Step(global));
+  }
+  // This rank's values; BaseTrainer combines them over ranks, weighted by examples.
+  lockstep::MetricMap metrics = {{lockstep::kNumExamples, static_cast<double>(n)}};
+  if (n > 0) {
+    metrics[lockstep::kLoss] = loss_sum.item<double>() / static_cast<double>(n);
+    metrics[lockstep::kAccuracy] = correct.item<double>() / static_cast<double>(n);
+  }
+  return metrics;
+}
+
+void ShardedEmbeddingTrainer::CompareWithReference(double global_loss, double reference_loss) {
+  BagClassifierImpl& m = model();
+  torch::NoGradGuard no_grad;
+  const int64_t width = m.shard.size(1);
+  const int rank = communicator_->rank();
+  ++check_.steps;
+  check_.max_loss_diff = std::max(check_.max_loss_diff, std::abs(global_loss - reference_loss));
+  check_.max_table_diff =
+      std::max(check_.max_table_diff, MaxAbsDiff(m.shard, reference_->table.slice(1, rank * width, (rank + 1) * width)));
+  const std::vector<at::Tensor> mine = m.DenseParameters();
+  const std::vector<at::Tensor> theirs = reference_->DenseParameters();
+  for (size_t i = 0; i < mine.size(); ++i) {
+    check_.max_dense_diff = std::max(check_.max_dense_diff, MaxAbsDiff(mine[i], theirs[i]));
+  }
+}
+
+CheckResult ShardedEmbeddingTrainer::GlobalCheckResult() {
+  at::Tensor values = at::tensor({static_cast<double>(check_.steps), check_.max_loss_diff, check_.max_table_diff,
+                                  check_.max_dense_diff},
+                                 at::kDouble);
+  communicator_->AllReduce(values, lockstep::ReduceOp::kMax, options_.collective);
+  CheckResult result;
+  result.steps = static_cast<int64_t>(values[0].item<double>());
+  result.max_loss_diff = values[1].item<double>();
+  result.max_table_diff = values[2].item<double>();
+  result.max_dense_diff = values[3].item<double>();
+  return result;
+}
+
+lockstep::MetricSums ShardedEmbeddingTrainer::EvalStep(const lockstep::Batch& batch) {
+  BagClassifierImpl& m = model();
+  m.eval();
+  torch::NoGradGuard no_grad;
+  // Every rank takes part in the lookup, also one whose slice of this batch is empty.
+  const GlobalBatch global = GatherGlobalBatch(*group_, batch.inputs, batch.targets);
+  const int64_t n = batch.size();
+  at::Tensor logits = m.Classify(ShardedBagMean(m.shard, global.ids, group_).slice(0, 0, n));
+  lockstep::MetricSums sums;
+  sums.weight = static_cast<double>(n);
+  if (n > 0) {
+    sums.sums[lockstep::kLoss] = PerExampleCrossEntropy(logits, batch.targets).sum().item<double>();
+    sums.sums[lockstep::kAccuracy] = logits.argmax(1).eq(batch.targets).sum().item<double>();
+  }
+  return sums;
+}
+
+}  // namespace sharded_embedding

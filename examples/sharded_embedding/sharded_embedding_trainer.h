@@ -1,0 +1,110 @@
+// A bag-of-tokens text classifier whose embedding table is split by columns over
+// the ranks (see column_sharded_embedding.h), and the BaseTrainer subclass that
+// trains it with its own partitioned step:
+//
+//   gather the global batch's token ids      (all-gather, int64)
+//   this rank's columns for every example    -> all-gather -> this rank's rows, all columns
+//   replicated dense layers, loss            (normalised by the global batch)
+//   backward: dense layers locally; the embedding through an all-gather of the
+//             output gradients, so each shard gets its columns' gradient
+//   dense gradients summed over ranks        (one all-reduce)
+//   one optimizer update on every rank       (the shard's state is the shard's)
+//
+// With `check` set, every rank also trains the unsharded model (the full table and
+// its own copy of the dense layers) on the same global batches and records how far
+// the sharded one drifts from it.
+//
+// SPMD rule: every rank builds the same model (from the same seed) and trainer,
+// and calls Train and Eval with the same arguments. Not thread-safe.
+#ifndef SHARDED_EMBEDDING_SHARDED_EMBEDDING_TRAINER_H_
+#define SHARDED_EMBEDDING_SHARDED_EMBEDDING_TRAINER_H_
+
+#include <torch/nn/module.h>
+#include <torch/nn/modules/linear.h>
+
+#include <cstdint>
+#include <memory>
+#include <vector>
+
+#include "column_sharded_embedding.h"
+#include "lockstep/communicator.h"
+#include "lockstep/trainer.h"
+
+namespace sharded_embedding {
+
+// Embedding bag (column shard) -> Linear(dim, hidden) -> ReLU -> Linear(hidden, classes).
+class BagClassifierImpl : public torch::nn::Module {
+ public:
+  // Keeps columns [rank * dim / world_size, (rank + 1) * dim / world_size) of
+  // `full_table` [vocab, dim]; the dense layers draw their initial values from
+  // libtorch's default generator, so the same seed gives the same model on every
+  // rank and for every world size. Throws lockstep::InvalidArgumentError when
+  // world_size does not divide dim.
+  BagClassifierImpl(const at::Tensor& full_table, int rank, int world_size, int64_t hidden_dim, int64_t num_classes);
+
+  // Logits [n, classes] from full-width bag features [n, dim].
+  at::Tensor Classify(const at::Tensor& features);
+  std::vector<at::Tensor> DenseParameters() const;
+
+  at::Tensor shard;  // [vocab, dim / world_size]
+  torch::nn::Linear hidden{nullptr};
+  torch::nn::Linear output{nullptr};
+};
+TORCH_MODULE(BagClassifier);
+
+// The unsharded model with the same initial values, for the check.
+struct UnshardedReference;
+
+struct ShardedEmbeddingOptions {
+  // The most examples in one global batch (the data iterator's); the per-rank
+  // padding of the all-gathers is ceil(global_batch_size / world size).
+  int64_t global_batch_size = 64;
+  lockstep::CollectiveOptions collective;
+  // Train the unsharded model alongside and record the differences (see check()).
+  bool check = false;
+  // Builds the reference's optimizer; the same kind and settings as the state's.
+  lockstep::OptimizerFactory optimizer_factory;
+};
+
+// The largest differences between the sharded model and the unsharded reference
+// seen so far, on this rank.
+struct CheckResult {
+  int64_t steps = 0;
+  double max_loss_diff = 0;   // |global loss - reference loss| before each update
+  double max_table_diff = 0;  // max |shard - reference table columns| after each update
+  double max_dense_diff = 0;  // max |dense parameter - reference's| after each update
+};
+
+class ShardedEmbeddingTrainer : public lockstep::BaseTrainer {
+ public:
+  // `state.model` must be a BagClassifier; `communicator` (not owned) the ranks the
+  // table is split over (world size 1 for a single process), which also combine
+  // the metrics and agree on halting. `full_table` is only used with options.check.
+  // Throws lockstep::InvalidArgumentError for a mismatched model or options.
+  ShardedEmbeddingTrainer(lockstep::TrainState& state, lockstep::Runtime runtime, lockstep::Communicator* communicator,
+                          ShardedEmbeddingOptions options, const at::Tensor& full_table = {});
+  ~ShardedEmbeddingTrainer() override;
+
+  // Collective (one all-reduce): the largest differences over all ranks.
+  CheckResult GlobalCheckResult();
+
+ protected:
+  lockstep::MetricMap TrainStep(const lockstep::Batch& batch) override;
+  lockstep::MetricSums EvalStep(const lockstep::Batch& batch) override;
+
+ private:
+  BagClassifierImpl& model();
+  void CompareWithReference(double global_loss, double reference_loss);
+
+  // Fixed after construction.
+  lockstep::Communicator* const communicator_;  // Not owned.
+  const ShardedEmbeddingOptions options_;
+  const c10::intrusive_ptr<ColumnShardGroup> group_;
+
+  std::unique_ptr<UnshardedReference> reference_;  // with options.check
+  CheckResult check_;
+};
+
+}  // namespace sharded_embedding
+
+#endif  // SHARDED_EMBEDDING_SHARDED_EMBEDDING_TRAINER_H_
