@@ -28,6 +28,7 @@
 #include <string>
 #include <vector>
 
+#include "benchmarks/median_reporter.h"
 #include "lockstep/checkpoint.h"
 #include "lockstep/torch_setup.h"
 
@@ -131,21 +132,6 @@ BENCHMARK(BM_StepWithOverlappedSave)->Unit(benchmark::kMillisecond)->Iterations(
 BENCHMARK(BM_SyncSave)->Unit(benchmark::kMillisecond)->Iterations(5)->UseRealTime();
 BENCHMARK(BM_AsyncSavePause)->Unit(benchmark::kMillisecond)->Iterations(5)->UseRealTime();
 
-class RatioReporter : public benchmark::ConsoleReporter {
- public:
-  void ReportRuns(const std::vector<Run>& runs) override {
-    ConsoleReporter::ReportRuns(runs);
-    for (const Run& run : runs) {
-      if (run.run_type == Run::RT_Aggregate && run.aggregate_name == "median") {
-        medians[run.run_name.function_name] = run.GetAdjustedRealTime();
-      } else if (run.run_type == Run::RT_Iteration && run.repetitions <= 1) {
-        medians[run.run_name.function_name] = run.GetAdjustedRealTime();
-      }
-    }
-  }
-  std::map<std::string, double> medians;
-};
-
 }  // namespace
 }  // namespace lockstep
 
@@ -165,7 +151,7 @@ int main(int argc, char** argv) {
   benchmark::Initialize(&count, args.data());
   if (benchmark::ReportUnrecognizedArguments(count, args.data())) return 2;
   std::printf("State: %.1f MB (parameters and SGD momentum)\n", lockstep::State().bytes() / 1e6);
-  lockstep::RatioReporter reporter;
+  lockstep::MedianReporter reporter;
   benchmark::RunSpecifiedBenchmarks(&reporter);
   benchmark::Shutdown();
   const auto& m = reporter.medians;

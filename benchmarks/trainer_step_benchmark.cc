@@ -17,6 +17,7 @@
 #include <string>
 #include <vector>
 
+#include "benchmarks/median_reporter.h"
 #include "lockstep/data.h"
 #include "lockstep/models.h"
 #include "lockstep/summary_writers.h"
@@ -115,22 +116,6 @@ BENCHMARK(BM_HandWrittenLoop)->Unit(benchmark::kMillisecond)->MinTime(2.0)->UseR
 BENCHMARK(BM_Trainer)->Unit(benchmark::kMillisecond)->MinTime(2.0)->UseRealTime();
 BENCHMARK(BM_TrainerWritingEveryStep)->Unit(benchmark::kMillisecond)->MinTime(2.0)->UseRealTime();
 
-// Prints what the console reporter prints, and keeps each benchmark's median.
-class RatioReporter : public benchmark::ConsoleReporter {
- public:
-  void ReportRuns(const std::vector<Run>& runs) override {
-    ConsoleReporter::ReportRuns(runs);
-    for (const Run& run : runs) {
-      if (run.run_type == Run::RT_Aggregate && run.aggregate_name == "median") {
-        medians[run.run_name.function_name] = run.GetAdjustedRealTime();
-      } else if (run.run_type == Run::RT_Iteration && run.repetitions <= 1) {
-        medians[run.run_name.function_name] = run.GetAdjustedRealTime();
-      }
-    }
-  }
-  std::map<std::string, double> medians;
-};
-
 }  // namespace
 }  // namespace lockstep
 
@@ -143,7 +128,7 @@ int main(int argc, char** argv) {
   int count = static_cast<int>(args.size());
   benchmark::Initialize(&count, args.data());
   if (benchmark::ReportUnrecognizedArguments(count, args.data())) return 2;
-  lockstep::RatioReporter reporter;
+  lockstep::MedianReporter reporter;
   benchmark::RunSpecifiedBenchmarks(&reporter);
   benchmark::Shutdown();
   const auto& m = reporter.medians;

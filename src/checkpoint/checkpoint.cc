@@ -57,39 +57,15 @@ std::string ShardName(int rank) { return absl::StrFormat("shard_%05d.pt", rank);
 
 std::string Errno() { return std::strerror(errno); }
 
-// Writes `size` bytes to `path` and fsyncs it. Throws CheckpointError.
-void WriteDurably(const std::string& path, const char* data, size_t size) {
+// Creates (or truncates) `path`, lets `fill` write to it with a WriteAll function,
+// then fsyncs and closes it; the descriptor is closed on every path. Throws
+// CheckpointError naming the path.
+template <typename Fill>
+void WriteFileDurably(const std::string& path, Fill fill) {
   const int fd = ::open(path.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644);
   if (fd < 0) throw CheckpointError(absl::StrCat("cannot create '", path, "': ", Errno()));
-  size_t done = 0;
-  while (done < size) {
-    const ssize_t n = ::write(fd, data + done, std::min<size_t>(size - done, size_t{1} << 30));
-    if (n < 0 && errno == EINTR) continue;
-    if (n <= 0) {
-      const std::string why = Errno();
-      ::close(fd);
-      throw CheckpointError(absl::StrCat("cannot write '", path, "': ", why));
-    }
-    done += static_cast<size_t>(n);
-  }
-  if (::fsync(fd) != 0) {
-    const std::string why = Errno();
-    ::close(fd);
-    throw CheckpointError(absl::StrCat("cannot fsync '", path, "': ", why));
-  }
-  if (::close(fd) != 0) throw CheckpointError(absl::StrCat("cannot close '", path, "': ", Errno()));
-}
-
-// Writes `values` to `path` in torch.save's zip format (what torch::jit::pickle_save
-// produces, streamed straight to the file instead of through a growing buffer:
-// 3 s against 0.4 s for 256 MB here), fsyncs it, and returns its size and CRC32C.
-std::pair<size_t, uint32_t> WriteShard(const std::string& path, const c10::impl::GenericDict& values) {
-  const int fd = ::open(path.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644);
-  if (fd < 0) throw CheckpointError(absl::StrCat("cannot create '", path, "': ", Errno()));
-  size_t size = 0;
-  uint32_t crc = 0;
   try {
-    auto write = [&](const void* data, size_t length) -> size_t {
+    auto write_all = [&](const void* data, size_t length) {
       const char* bytes = static_cast<const char*>(data);
       size_t done = 0;
       while (done < length) {
@@ -98,6 +74,30 @@ std::pair<size_t, uint32_t> WriteShard(const std::string& path, const c10::impl:
         if (n <= 0) throw CheckpointError(absl::StrCat("cannot write '", path, "': ", Errno()));
         done += static_cast<size_t>(n);
       }
+    };
+    fill(write_all);
+    if (::fsync(fd) != 0) throw CheckpointError(absl::StrCat("cannot fsync '", path, "': ", Errno()));
+  } catch (...) {
+    ::close(fd);
+    throw;
+  }
+  if (::close(fd) != 0) throw CheckpointError(absl::StrCat("cannot close '", path, "': ", Errno()));
+}
+
+// Writes `size` bytes to `path` and fsyncs it. Throws CheckpointError.
+void WriteDurably(const std::string& path, const char* data, size_t size) {
+  WriteFileDurably(path, [&](const auto& write_all) { write_all(data, size); });
+}
+
+// Writes `values` to `path` in torch.save's zip format (what torch::jit::pickle_save
+// produces, streamed straight to the file instead of through a growing buffer:
+// 3 s against 0.4 s for 256 MB here), fsyncs it, and returns its size and CRC32C.
+std::pair<size_t, uint32_t> WriteShard(const std::string& path, const c10::impl::GenericDict& values) {
+  size_t size = 0;
+  uint32_t crc = 0;
+  WriteFileDurably(path, [&](const auto& write_all) {
+    auto write = [&](const void* data, size_t length) -> size_t {
+      write_all(data, length);
       crc = Crc32cExtend(crc, data, length);
       size += length;
       return length;
@@ -110,13 +110,28 @@ std::pair<size_t, uint32_t> WriteShard(const std::string& path, const c10::impl:
     caffe2::serialize::PyTorchStreamWriter archive(write);
     torch::jit::writeArchiveAndTensors("data", pickled.data(), pickled.size(), pickler.tensorData(), archive);
     archive.writeEndOfFile();
-    if (::fsync(fd) != 0) throw CheckpointError(absl::StrCat("cannot fsync '", path, "': ", Errno()));
-  } catch (...) {
-    ::close(fd);
-    throw;
-  }
-  if (::close(fd) != 0) throw CheckpointError(absl::StrCat("cannot close '", path, "': ", Errno()));
+  });
   return {size, crc};
+}
+
+// Adam's and AdamW's per-parameter states hold the same fields (distinct types).
+template <typename AdamState, typename Values, typename Put>
+void StageAdamState(const AdamState& s, const std::string& prefix, Values& values, const Put& put) {
+  values.insert(prefix + "step", s.step());
+  put(prefix + "exp_avg", s.exp_avg());
+  put(prefix + "exp_avg_sq", s.exp_avg_sq());
+  put(prefix + "max_exp_avg_sq", s.max_exp_avg_sq());
+}
+
+template <typename AdamState>
+std::unique_ptr<AdamState> MakeAdamState(int64_t step, const at::Tensor& exp_avg, const at::Tensor& exp_avg_sq,
+                                         const at::Tensor& max_exp_avg_sq) {
+  auto s = std::make_unique<AdamState>();
+  s->step(step);
+  s->exp_avg(exp_avg);
+  s->exp_avg_sq(exp_avg_sq);
+  s->max_exp_avg_sq(max_exp_avg_sq);
+  return s;
 }
 
 // Makes a rename or a new entry in `dir` durable.
@@ -284,15 +299,9 @@ void CheckpointManager::Save(const TrainState& state, const ShardExtras& extras,
       if (auto* sgd = dynamic_cast<torch::optim::SGDParamState*>(it->second.get())) {
         put(prefix + "momentum_buffer", sgd->momentum_buffer());
       } else if (auto* adam = dynamic_cast<torch::optim::AdamParamState*>(it->second.get())) {
-        job->values.insert(prefix + "step", adam->step());
-        put(prefix + "exp_avg", adam->exp_avg());
-        put(prefix + "exp_avg_sq", adam->exp_avg_sq());
-        put(prefix + "max_exp_avg_sq", adam->max_exp_avg_sq());
+        StageAdamState(*adam, prefix, job->values, put);
       } else if (auto* adamw = dynamic_cast<torch::optim::AdamWParamState*>(it->second.get())) {
-        job->values.insert(prefix + "step", adamw->step());
-        put(prefix + "exp_avg", adamw->exp_avg());
-        put(prefix + "exp_avg_sq", adamw->exp_avg_sq());
-        put(prefix + "max_exp_avg_sq", adamw->max_exp_avg_sq());
+        StageAdamState(*adamw, prefix, job->values, put);
       } else {
         throw CheckpointError("checkpoints support SGD, Adam and AdamW optimizer state");
       }
@@ -449,12 +458,8 @@ void CheckpointManager::ApplyRetention() {
 
 FoundCheckpoint CheckpointManager::Validate(const std::string& path) {
   if (!fs::is_directory(path)) throw CheckpointError(absl::StrCat(path, ": not a checkpoint directory"));
-  auto manifest = std::make_shared<checkpoint::Manifest>(ReadManifest(path));
-  if (manifest->world_size() < 1 || manifest->shards_size() != manifest->world_size()) {
-    throw CheckpointError(absl::StrCat(path, "/", kManifestFile, ": lists ", manifest->shards_size(),
-                                       " shards for a world of ", manifest->world_size()));
-  }
-  for (const checkpoint::ShardFile& shard : manifest->shards()) {
+  FoundCheckpoint found = ReadManifestOnly(path);
+  for (const checkpoint::ShardFile& shard : found.manifest->shards()) {
     if (shard.path().empty() || shard.path().find('/') != std::string::npos) {
       throw CheckpointError(absl::StrCat(path, "/", kManifestFile, ": bad shard path '", shard.path(), "'"));
     }
@@ -470,7 +475,7 @@ FoundCheckpoint CheckpointManager::Validate(const std::string& path) {
                                             shard.crc32c()));
     }
   }
-  return FoundCheckpoint{path, manifest->step(), manifest->world_size(), manifest};
+  return found;
 }
 
 FoundCheckpoint CheckpointManager::ReadManifestOnly(const std::string& path) {
@@ -586,19 +591,11 @@ ShardExtras CheckpointManager::Restore(const FoundCheckpoint& found, TrainState&
         at::Tensor exp_avg_sq = optional_tensor(prefix + "exp_avg_sq", p);
         at::Tensor max_exp_avg_sq = optional_tensor(prefix + "max_exp_avg_sq", p);
         if (dynamic_cast<torch::optim::Adam*>(state.optimizer.get())) {
-          auto s = std::make_unique<torch::optim::AdamParamState>();
-          s->step(step);
-          s->exp_avg(exp_avg);
-          s->exp_avg_sq(exp_avg_sq);
-          s->max_exp_avg_sq(max_exp_avg_sq);
-          optimizer_state[key] = std::move(s);
+          optimizer_state[key] =
+              MakeAdamState<torch::optim::AdamParamState>(step, exp_avg, exp_avg_sq, max_exp_avg_sq);
         } else {
-          auto s = std::make_unique<torch::optim::AdamWParamState>();
-          s->step(step);
-          s->exp_avg(exp_avg);
-          s->exp_avg_sq(exp_avg_sq);
-          s->max_exp_avg_sq(max_exp_avg_sq);
-          optimizer_state[key] = std::move(s);
+          optimizer_state[key] =
+              MakeAdamState<torch::optim::AdamWParamState>(step, exp_avg, exp_avg_sq, max_exp_avg_sq);
         }
       } else {
         throw CheckpointError("checkpoints support SGD, Adam and AdamW optimizer state");

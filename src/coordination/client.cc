@@ -122,9 +122,7 @@ class Client final : public CoordinationClient {
     request.mutable_kv()->set_value(value);
     request.set_overwrite(overwrite);
     pb::SetResponse response;
-    grpc::ClientContext context;
-    Prepare(context, options_.rpc_timeout);
-    return FromGrpc(stub_->Set(&context, request, &response));
+    return Call(&Stub::Set, request, response, options_.rpc_timeout);
   }
 
   absl::StatusOr<std::string> Get(const std::string& key, absl::Duration timeout) override {
@@ -132,9 +130,7 @@ class Client final : public CoordinationClient {
     request.set_key(key);
     request.set_timeout_ms(std::max<int64_t>(absl::ToInt64Milliseconds(timeout), 1));
     pb::GetResponse response;
-    grpc::ClientContext context;
-    Prepare(context, timeout + options_.rpc_timeout);
-    if (absl::Status s = FromGrpc(stub_->Get(&context, request, &response)); !s.ok()) return s;
+    if (absl::Status s = Call(&Stub::Get, request, response, timeout + options_.rpc_timeout); !s.ok()) return s;
     if (!response.found()) return absl::DeadlineExceededError(absl::StrCat("key '", key, "' was not set"));
     return response.value();
   }
@@ -143,9 +139,7 @@ class Client final : public CoordinationClient {
     pb::GetRequest request;
     request.set_key(key);
     pb::GetResponse response;
-    grpc::ClientContext context;
-    Prepare(context, options_.rpc_timeout);
-    if (absl::Status s = FromGrpc(stub_->Get(&context, request, &response)); !s.ok()) return s;
+    if (absl::Status s = Call(&Stub::Get, request, response, options_.rpc_timeout); !s.ok()) return s;
     if (!response.found()) return std::optional<std::string>();
     return std::optional<std::string>(response.value());
   }
@@ -154,9 +148,7 @@ class Client final : public CoordinationClient {
     pb::ListRequest request;
     request.set_prefix(prefix);
     pb::ListResponse response;
-    grpc::ClientContext context;
-    Prepare(context, options_.rpc_timeout);
-    if (absl::Status s = FromGrpc(stub_->List(&context, request, &response)); !s.ok()) return s;
+    if (absl::Status s = Call(&Stub::List, request, response, options_.rpc_timeout); !s.ok()) return s;
     std::vector<std::pair<std::string, std::string>> out;
     for (const pb::KeyValue& kv : response.kvs()) out.emplace_back(kv.key(), kv.value());
     return out;
@@ -166,9 +158,7 @@ class Client final : public CoordinationClient {
     pb::DeleteRequest request;
     request.set_key(key);
     pb::DeleteResponse response;
-    grpc::ClientContext context;
-    Prepare(context, options_.rpc_timeout);
-    if (absl::Status s = FromGrpc(stub_->Delete(&context, request, &response)); !s.ok()) return s;
+    if (absl::Status s = Call(&Stub::Delete, request, response, options_.rpc_timeout); !s.ok()) return s;
     return response.deleted();
   }
 
@@ -178,9 +168,7 @@ class Client final : public CoordinationClient {
     request.set_rank(options_.rank);
     request.set_timeout_ms(std::max<int64_t>(absl::ToInt64Milliseconds(timeout), 0));
     pb::BarrierResponse response;
-    grpc::ClientContext context;
-    Prepare(context, timeout + options_.rpc_timeout);
-    return FromGrpc(stub_->Barrier(&context, request, &response));
+    return Call(&Stub::Barrier, request, response, timeout + options_.rpc_timeout);
   }
 
   absl::Status ReportError(const std::string& message) override {
@@ -188,9 +176,7 @@ class Client final : public CoordinationClient {
     request.set_rank(options_.rank);
     request.set_message(message);
     pb::ErrorReportResponse response;
-    grpc::ClientContext context;
-    Prepare(context, options_.rpc_timeout);
-    return FromGrpc(stub_->ReportError(&context, request, &response));
+    return Call(&Stub::ReportError, request, response, options_.rpc_timeout);
   }
 
   absl::Status ReportPreemption(const std::string& reason) override {
@@ -198,9 +184,7 @@ class Client final : public CoordinationClient {
     request.set_rank(options_.rank);
     request.set_reason(reason);
     pb::PreemptionNoticeResponse response;
-    grpc::ClientContext context;
-    Prepare(context, options_.rpc_timeout);
-    return FromGrpc(stub_->ReportPreemption(&context, request, &response));
+    return Call(&Stub::ReportPreemption, request, response, options_.rpc_timeout);
   }
 
   void SetStep(int64_t step) override { step_.store(step, std::memory_order_relaxed); }
@@ -221,16 +205,25 @@ class Client final : public CoordinationClient {
     request.set_rank(options_.rank);
     request.set_incarnation(options_.incarnation);
     pb::GoodbyeResponse response;
-    grpc::ClientContext context;
-    Prepare(context, absl::Seconds(2));
-    return FromGrpc(stub_->Goodbye(&context, request, &response));
+    return Call(&Stub::Goodbye, request, response, absl::Seconds(2));
   }
 
  private:
+  using Stub = pb::Coordination::Stub;
+
   void Prepare(grpc::ClientContext& context, absl::Duration timeout) const {
     context.set_deadline(Deadline(timeout));
     context.AddMetadata(kJobIdMetadata, options_.job_id);
     context.AddMetadata(kTokenMetadata, options_.token);
+  }
+
+  // One unary call with the job's metadata, due within `timeout`.
+  template <typename Request, typename Response>
+  absl::Status Call(grpc::Status (Stub::*method)(grpc::ClientContext*, const Request&, Response*),
+                    const Request& request, Response& response, absl::Duration timeout) const {
+    grpc::ClientContext context;
+    Prepare(context, timeout);
+    return FromGrpc((stub_.get()->*method)(&context, request, &response));
   }
 
   void StopThreads() {
@@ -273,9 +266,7 @@ class Client final : public CoordinationClient {
     request.set_incarnation(options_.incarnation);
     request.set_step(step_.load(std::memory_order_relaxed));
     pb::HeartbeatResponse response;
-    grpc::ClientContext context;
-    Prepare(context, timeout);
-    return FromGrpc(stub_->Heartbeat(&context, request, &response));
+    return Call(&Stub::Heartbeat, request, response, timeout);
   }
 
   void HeartbeatLoop() {

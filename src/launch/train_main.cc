@@ -400,8 +400,11 @@ int Run(const config::TrainerConfig& cfg, const Runtime& runtime) {
 
 // --resume: rank 0 picks the checkpoint (the newest valid one for "auto") and
 // tells the others through the key-value store, so that every rank loads the same.
+// The others wait for rank 0's choice (which reads every shard of each candidate
+// to check it) as long as for a collective.
 void ResumeIfAsked(const CheckpointManager& checkpoints, TrainState& state, ShardedBatchIterator& train_data,
-                   BaseTrainer& trainer, const Runtime& runtime, CoordinationClient* coordination) {
+                   BaseTrainer& trainer, const Runtime& runtime, CoordinationClient* coordination,
+                   absl::Duration wait) {
   const std::string resume = absl::GetFlag(FLAGS_resume);
   if (resume == "none") return;
   std::string path;
@@ -417,8 +420,8 @@ void ResumeIfAsked(const CheckpointManager& checkpoints, TrainState& state, Shar
   }
   if (coordination != nullptr && runtime.world_size > 1) {
     if (runtime.is_chief()) ThrowIfError(coordination->Set("lockstep/resume/path", path), "sharing the resume path");
-    absl::StatusOr<std::string> shared = coordination->Get("lockstep/resume/path", absl::Minutes(10));
-    ThrowIfError(shared.status(), "waiting for rank 0 to choose the checkpoint");
+    absl::StatusOr<std::string> shared = coordination->Get("lockstep/resume/path", wait);
+    ThrowIfError(shared.status(), "waiting for rank 0 to choose the checkpoint (collective_timeout_seconds)");
     path = *shared;
   }
   if (path.empty()) return;
@@ -537,7 +540,8 @@ int Train(const config::TrainerConfig& cfg, const Runtime& runtime, const std::s
   checkpoint_options.barrier_timeout = absl::Seconds(cfg.collective_timeout_seconds());
   CheckpointManager checkpoints(checkpoint_options, runtime.rank, runtime.world_size, coordination);
   checkpoints_for_update = &checkpoints;
-  ResumeIfAsked(checkpoints, state, train_data, trainer, runtime, coordination);
+  ResumeIfAsked(checkpoints, state, train_data, trainer, runtime, coordination,
+                absl::Seconds(cfg.collective_timeout_seconds()));
 
   MetricMap test;
   std::map<std::string, double> latest_metrics;  // "task/metric" of the last eval, for best-M

@@ -488,8 +488,15 @@ TEST(CoordinationTest, OrderlyShutdownWaitsForEveryRank) {
   for (auto& c : clients) EXPECT_FALSE(c->failure().has_value());
 }
 
-// The standalone binary, killed with SIGKILL: every client names the lost service.
-TEST(CoordinationTest, ACrashedCoordinatorIsNamedByEveryRank) {
+// Starts the standalone lockstep_coordinator for a world of 2 with `extra_args`,
+// and reads the port it listens on from its first line.
+struct SpawnedCoordinator {
+  pid_t pid = 0;
+  int port = 0;
+  FILE* stream = nullptr;  // its stdout. Owned.
+};
+
+void SpawnCoordinator(const std::vector<std::string>& extra_args, SpawnedCoordinator& spawned) {
   const std::string binary = LOCKSTEP_COORDINATOR_BINARY;
   int out[2];
   ASSERT_EQ(pipe(out), 0);
@@ -498,21 +505,31 @@ TEST(CoordinationTest, ACrashedCoordinatorIsNamedByEveryRank) {
   posix_spawn_file_actions_adddup2(&actions, out[1], STDOUT_FILENO);
   posix_spawn_file_actions_addclose(&actions, out[0]);
   const std::string token_env = absl::StrCat("LOCKSTEP_JOB_TOKEN=", kToken);
-  std::vector<std::string> args = {binary, "--world_size=2", absl::StrCat("--job_id=", kJob),
-                                   "--address=127.0.0.1:0"};
+  std::vector<std::string> args = {binary, "--world_size=2", absl::StrCat("--job_id=", kJob)};
+  args.insert(args.end(), extra_args.begin(), extra_args.end());
   std::vector<char*> argv;
   for (auto& a : args) argv.push_back(a.data());
   argv.push_back(nullptr);
   std::vector<char*> envp = {const_cast<char*>(token_env.c_str()), nullptr};
-  pid_t pid = 0;
-  ASSERT_EQ(posix_spawn(&pid, binary.c_str(), &actions, nullptr, argv.data(), envp.data()), 0);
+  const int spawn = posix_spawn(&spawned.pid, binary.c_str(), &actions, nullptr, argv.data(), envp.data());
   posix_spawn_file_actions_destroy(&actions);
   close(out[1]);
-  FILE* stream = fdopen(out[0], "r");
+  ASSERT_EQ(spawn, 0) << binary;
+  spawned.stream = fdopen(out[0], "r");
   char line[512] = {};
-  ASSERT_NE(fgets(line, sizeof(line), stream), nullptr);
-  int port = 0;
-  ASSERT_EQ(std::sscanf(std::strstr(line, "listening on port"), "listening on port %d", &port), 1) << line;
+  ASSERT_NE(fgets(line, sizeof(line), spawned.stream), nullptr);
+  const char* at = std::strstr(line, "listening on port");
+  ASSERT_NE(at, nullptr) << line;
+  ASSERT_EQ(std::sscanf(at, "listening on port %d", &spawned.port), 1) << line;
+}
+
+// The standalone binary, killed with SIGKILL: every client names the lost service.
+TEST(CoordinationTest, ACrashedCoordinatorIsNamedByEveryRank) {
+  SpawnedCoordinator coordinator;
+  ASSERT_NO_FATAL_FAILURE(SpawnCoordinator({"--address=127.0.0.1:0"}, coordinator));
+  const pid_t pid = coordinator.pid;
+  const int port = coordinator.port;
+  FILE* stream = coordinator.stream;
 
   const absl::Duration timeout = absl::Seconds(2);
   std::vector<EventLog> logs(2);
@@ -532,28 +549,11 @@ TEST(CoordinationTest, ACrashedCoordinatorIsNamedByEveryRank) {
 }
 
 TEST(CoordinationTest, TheStandaloneCoordinatorExitsOnceEveryRankIsDone) {
-  const std::string binary = LOCKSTEP_COORDINATOR_BINARY;
-  int out[2];
-  ASSERT_EQ(pipe(out), 0);
-  posix_spawn_file_actions_t actions;
-  posix_spawn_file_actions_init(&actions);
-  posix_spawn_file_actions_adddup2(&actions, out[1], STDOUT_FILENO);
-  posix_spawn_file_actions_addclose(&actions, out[0]);
-  const std::string token_env = absl::StrCat("LOCKSTEP_JOB_TOKEN=", kToken);
-  std::vector<std::string> args = {binary, "--world_size=2", absl::StrCat("--job_id=", kJob)};
-  std::vector<char*> argv;
-  for (auto& a : args) argv.push_back(a.data());
-  argv.push_back(nullptr);
-  std::vector<char*> envp = {const_cast<char*>(token_env.c_str()), nullptr};
-  pid_t pid = 0;
-  ASSERT_EQ(posix_spawn(&pid, binary.c_str(), &actions, nullptr, argv.data(), envp.data()), 0);
-  posix_spawn_file_actions_destroy(&actions);
-  close(out[1]);
-  FILE* stream = fdopen(out[0], "r");
-  char line[512] = {};
-  ASSERT_NE(fgets(line, sizeof(line), stream), nullptr);
-  int port = 0;
-  ASSERT_EQ(std::sscanf(std::strstr(line, "listening on port"), "listening on port %d", &port), 1) << line;
+  SpawnedCoordinator coordinator;
+  ASSERT_NO_FATAL_FAILURE(SpawnCoordinator({}, coordinator));
+  const pid_t pid = coordinator.pid;
+  const int port = coordinator.port;
+  FILE* stream = coordinator.stream;
   {
     auto clients = ConnectAll(port, 2);
     for (auto& c : clients) EXPECT_TRUE(c->Goodbye().ok());
