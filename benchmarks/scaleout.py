@@ -220,7 +220,7 @@ def buckets_of(parameter_bytes, bucket_bytes):
     return buckets
 
 
-def predict_step_s(parts, buckets, allreduce_s, small_collectives=2, small_bytes=32):
+def predict_step_s(parts, buckets, allreduce_s, small_collectives=1, small_bytes=8):
     """parts: forward, backward, optimizer, other (seconds). Backward makes the
     gradient bytes at a uniform rate; bucket k starts when its last gradient is
     final and the previous bucket is done. Only communication that outlasts

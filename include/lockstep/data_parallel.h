@@ -108,7 +108,7 @@ class DataParallel {
 
   // Seconds the training thread has spent blocked on communication since
   // construction: gradient buckets (GradientBucketer::wait_seconds) plus the
-  // AllReduceSum calls and Waits (the batch weight and the step's metrics).
+  // AllReduceSum calls and Waits (the global batch weight).
   double communication_wait_seconds() const;
 
  private:
