@@ -145,16 +145,9 @@ int main(int argc, char** argv) {
       args.push_back(argv[i]);
     }
   }
-  std::string repetitions = "--benchmark_repetitions=3";
-  args.insert(args.begin() + 1, repetitions.data());
-  int count = static_cast<int>(args.size());
-  benchmark::Initialize(&count, args.data());
-  if (benchmark::ReportUnrecognizedArguments(count, args.data())) return 2;
+  if (!lockstep::InitializeBenchmarks(args, {"--benchmark_repetitions=3"})) return 2;
   std::printf("State: %.1f MB (parameters and SGD momentum)\n", lockstep::State().bytes() / 1e6);
-  lockstep::MedianReporter reporter;
-  benchmark::RunSpecifiedBenchmarks(&reporter);
-  benchmark::Shutdown();
-  const auto& m = reporter.medians;
+  const std::map<std::string, double> m = lockstep::RunBenchmarksForMedians();
   if (m.count("BM_AsyncSavePause") && m.count("BM_SyncSave")) {
     std::printf("\nAsync save, copy at the save: pause / sync save time (medians): %.4f\n",
                 m.at("BM_AsyncSavePause") / m.at("BM_SyncSave"));

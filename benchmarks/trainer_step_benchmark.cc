@@ -121,17 +121,11 @@ BENCHMARK(BM_TrainerWritingEveryStep)->Unit(benchmark::kMillisecond)->MinTime(2.
 
 int main(int argc, char** argv) {
   lockstep::ConfigureTorchForTraining();
-  std::vector<char*> args(argv, argv + argc);
-  std::string repetitions = "--benchmark_repetitions=5";
-  std::string interleave = "--benchmark_enable_random_interleaving=true";
-  args.insert(args.begin() + 1, {repetitions.data(), interleave.data()});  // defaults; later flags win
-  int count = static_cast<int>(args.size());
-  benchmark::Initialize(&count, args.data());
-  if (benchmark::ReportUnrecognizedArguments(count, args.data())) return 2;
-  lockstep::MedianReporter reporter;
-  benchmark::RunSpecifiedBenchmarks(&reporter);
-  benchmark::Shutdown();
-  const auto& m = reporter.medians;
+  if (!lockstep::InitializeBenchmarks(std::vector<char*>(argv, argv + argc),
+                                     {"--benchmark_repetitions=5", "--benchmark_enable_random_interleaving=true"})) {
+    return 2;
+  }
+  const std::map<std::string, double> m = lockstep::RunBenchmarksForMedians();
   if (m.count("BM_Trainer") && m.count("BM_HandWrittenLoop")) {
     std::printf("\nTrainer / hand-written step time (median of repetitions): %.4f\n",
                 m.at("BM_Trainer") / m.at("BM_HandWrittenLoop"));

@@ -91,7 +91,6 @@ ShardedEmbeddingTrainer::ShardedEmbeddingTrainer(lockstep::TrainState& state, lo
                                                  lockstep::Communicator* communicator, ShardedEmbeddingOptions options,
                                                  const at::Tensor& full_table)
     : BaseTrainer(state, std::move(runtime)),
-      communicator_(communicator),
       options_(std::move(options)),
       group_(c10::make_intrusive<ColumnShardGroup>(
           communicator, (options_.global_batch_size + communicator->world_size() - 1) / communicator->world_size(),
@@ -102,7 +101,7 @@ ShardedEmbeddingTrainer::ShardedEmbeddingTrainer(lockstep::TrainState& state, lo
   if (options_.global_batch_size < 1) throw lockstep::InvalidArgumentError("global_batch_size must be positive");
   // Metrics and eval sums are combined over these ranks, and halting is agreed
   // with them, by BaseTrainer itself.
-  set_communicator(communicator_, options_.collective);
+  set_communicator(communicator, options_.collective);
   if (options_.check) {
     if (!full_table.defined() || !options_.optimizer_factory) {
       throw lockstep::InvalidArgumentError("ShardedEmbeddingTrainer: check needs the full table and an optimizer factory");
@@ -144,7 +143,7 @@ lockstep::MetricMap ShardedEmbeddingTrainer::TrainStep(const lockstep::Batch& ba
   }
   parts.push_back(loss_sum);
   at::Tensor flat = at::cat(parts);
-  communicator_->AllReduce(flat, lockstep::ReduceOp::kSum, options_.collective);
+  communicator()->AllReduce(flat, lockstep::ReduceOp::kSum, collective_options());
   int64_t offset = 0;
   for (const at::Tensor& p : dense) {
     p.mutable_grad().copy_(flat.slice(0, offset, offset + p.numel()).view_as(p));
@@ -170,7 +169,7 @@ void ShardedEmbeddingTrainer::CompareWithReference(double global_loss, double re
   BagClassifierImpl& m = model();
   torch::NoGradGuard no_grad;
   const int64_t width = m.shard.size(1);
-  const int rank = communicator_->rank();
+  const int rank = communicator()->rank();
   ++check_.steps;
   check_.max_loss_diff = std::max(check_.max_loss_diff, std::abs(global_loss - reference_loss));
   check_.max_table_diff =
@@ -186,7 +185,7 @@ CheckResult ShardedEmbeddingTrainer::GlobalCheckResult() {
   at::Tensor values = at::tensor({static_cast<double>(check_.steps), check_.max_loss_diff, check_.max_table_diff,
                                   check_.max_dense_diff},
                                  at::kDouble);
-  communicator_->AllReduce(values, lockstep::ReduceOp::kMax, options_.collective);
+  communicator()->AllReduce(values, lockstep::ReduceOp::kMax, collective_options());
   CheckResult result;
   result.steps = static_cast<int64_t>(values[0].item<double>());
   result.max_loss_diff = values[1].item<double>();

@@ -96,8 +96,7 @@ class ShardedEmbeddingTrainer : public lockstep::BaseTrainer {
   BagClassifierImpl& model();
   void CompareWithReference(double global_loss, double reference_loss);
 
-  // Fixed after construction.
-  lockstep::Communicator* const communicator_;  // Not owned.
+  // Fixed after construction (the communicator is BaseTrainer's: communicator()).
   const ShardedEmbeddingOptions options_;
   const c10::intrusive_ptr<ColumnShardGroup> group_;
 

@@ -83,8 +83,6 @@ class AsyncSummaryWriter {
   // Writes everything queued, then stops the thread. Rethrows the first error a
   // sink threw (later summaries are dropped after one). Idempotent.
   void Close();
-  // A SummarySink that queues into this writer. The writer must outlive it.
-  SummarySink AsSink();
 
  private:
   void Loop();

@@ -184,10 +184,6 @@ void AsyncSummaryWriter::Write(const Summary& summary) {
   queue_.push_back(summary);
 }
 
-SummarySink AsyncSummaryWriter::AsSink() {
-  return [this](const Summary& summary) { Write(summary); };
-}
-
 void AsyncSummaryWriter::Close() {
   {
     absl::MutexLock lock(&mu_);
