@@ -40,7 +40,8 @@ struct OptimizerOptions {
   double epsilon = 1e-8;
 };
 
-// A factory for SGD with momentum, Adam or AdamW from torch::optim.
+// A factory for SGD with momentum (BlockedSgd, a torch::optim::SGD with a
+// cache-blocked step: lockstep/sgd.h), Adam or AdamW from torch::optim.
 // Throws InvalidArgumentError naming a bad option.
 OptimizerFactory MakeOptimizerFactory(const OptimizerOptions& options);
 

@@ -9,6 +9,7 @@
 #include <utility>
 
 #include "lockstep/errors.h"
+#include "lockstep/sgd.h"
 
 namespace lockstep {
 namespace {
@@ -27,10 +28,10 @@ OptimizerFactory MakeOptimizerFactory(const OptimizerOptions& o) {
       Require(o.momentum >= 0 && o.momentum < 1, "momentum must be in [0, 1)");
       Require(!o.nesterov || o.momentum > 0, "nesterov needs momentum > 0");
       return [o](std::vector<torch::Tensor> params) -> std::unique_ptr<torch::optim::Optimizer> {
-        return std::make_unique<torch::optim::SGD>(std::move(params), torch::optim::SGDOptions(o.learning_rate)
-                                                                          .momentum(o.momentum)
-                                                                          .nesterov(o.nesterov)
-                                                                          .weight_decay(o.weight_decay));
+        return std::make_unique<BlockedSgd>(std::move(params), torch::optim::SGDOptions(o.learning_rate)
+                                                                   .momentum(o.momentum)
+                                                                   .nesterov(o.nesterov)
+                                                                   .weight_decay(o.weight_decay));
       };
     case OptimizerOptions::Kind::kAdam:
     case OptimizerOptions::Kind::kAdamW:
