@@ -11,6 +11,11 @@
 //
 // MPI is initialised by the first communicator in the process and finalised at
 // exit, unless a collective failed (finalising with a dead peer would hang).
+// Before MPI_Init it sets two Open MPI parameters unless the environment already
+// has them: OMPI_MCA_coll_libnbc_iallreduce_algorithm=3 (reduce-scatter +
+// all-gather instead of the binomial tree libnbc takes for in-place all-reduces
+// on fewer than 4 ranks) and OMPI_MCA_btl_vader_max_send_size=131072 (larger
+// shared-memory fragments).
 #ifndef LOCKSTEP_MPI_COMMUNICATOR_H_
 #define LOCKSTEP_MPI_COMMUNICATOR_H_
 
