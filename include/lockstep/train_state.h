@@ -14,6 +14,7 @@
 #include <cstdint>
 #include <functional>
 #include <memory>
+#include <string>
 #include <vector>
 
 namespace lockstep {
@@ -44,6 +45,10 @@ struct OptimizerOptions {
 // cache-blocked step: lockstep/sgd.h), Adam or AdamW from torch::optim.
 // Throws InvalidArgumentError naming a bad option.
 OptimizerFactory MakeOptimizerFactory(const OptimizerOptions& options);
+
+// The key under which torch::optim optimizers keep a parameter's state in
+// Optimizer::state() (its TensorImpl's address, as text).
+std::string OptimizerStateKey(const torch::Tensor& parameter);
 
 // Builds a train state at step 0: the module, and an optimizer over its parameters.
 TrainState MakeTrainState(std::shared_ptr<torch::nn::Module> model, const OptimizerFactory& optimizer);

@@ -291,7 +291,7 @@ void CheckpointManager::Save(const TrainState& state, const ShardExtras& extras,
   const auto names = ParameterNames(*state.model);
   for (const auto& group : state.optimizer->param_groups()) {
     for (const at::Tensor& p : group.params()) {
-      auto it = state.optimizer->state().find(c10::guts::to_string(p.unsafeGetTensorImpl()));
+      auto it = state.optimizer->state().find(OptimizerStateKey(p));
       if (it == state.optimizer->state().end()) continue;  // no step taken yet
       auto name = names.find(p.unsafeGetTensorImpl());
       if (name == names.end()) throw CheckpointError("the optimizer holds a parameter the model does not");
@@ -576,7 +576,7 @@ ShardExtras CheckpointManager::Restore(const FoundCheckpoint& found, TrainState&
   for (const auto& group : state.optimizer->param_groups()) {
     for (const at::Tensor& p : group.params()) {
       const std::string prefix = "optimizer/" + names.at(p.unsafeGetTensorImpl()) + "/";
-      const std::string key = c10::guts::to_string(p.unsafeGetTensorImpl());
+      const std::string key = OptimizerStateKey(p);
       if (dynamic_cast<torch::optim::SGD*>(state.optimizer.get())) {
         at::Tensor momentum = optional_tensor(prefix + "momentum_buffer", p);
         if (!momentum.defined()) continue;

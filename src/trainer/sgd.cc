@@ -2,7 +2,6 @@
 
 #include <ATen/ATen.h>
 #include <ATen/core/grad_mode.h>
-#include <c10/util/string_utils.h>
 
 #include <algorithm>
 #include <memory>
@@ -10,12 +9,10 @@
 #include <utility>
 
 #include "lockstep/errors.h"
+#include "lockstep/train_state.h"
 
 namespace lockstep {
 namespace {
-
-// The key libtorch's optimizers file a parameter's state under.
-std::string StateKey(const at::Tensor& p) { return c10::guts::to_string(p.unsafeGetTensorImpl()); }
 
 struct Hyper {
   double lr, momentum, dampening, weight_decay;
@@ -67,13 +64,14 @@ torch::Tensor BlockedSgd::step(LossClosure closure) {
       bool first = false;
       if (h.momentum != 0) {
         auto& states = state();
-        auto it = states.find(StateKey(param));
+        const std::string key = OptimizerStateKey(param);
+        auto it = states.find(key);
         if (it == states.end()) {
           first = true;
           buf = at::empty_like(grad, at::MemoryFormat::Contiguous);
           auto s = std::make_unique<torch::optim::SGDParamState>();
           s->momentum_buffer(buf);
-          states[StateKey(param)] = std::move(s);
+          states[key] = std::move(s);
         } else {
           buf = static_cast<torch::optim::SGDParamState&>(*it->second).momentum_buffer();
         }

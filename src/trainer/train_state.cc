@@ -3,6 +3,7 @@
 #include <torch/optim/adam.h>
 #include <torch/optim/adamw.h>
 #include <torch/optim/sgd.h>
+#include <c10/util/string_utils.h>
 
 #include <cmath>
 #include <string>
@@ -52,6 +53,10 @@ OptimizerFactory MakeOptimizerFactory(const OptimizerOptions& o) {
       };
   }
   throw InvalidArgumentError("optimizer: unknown kind");
+}
+
+std::string OptimizerStateKey(const torch::Tensor& parameter) {
+  return c10::guts::to_string(parameter.unsafeGetTensorImpl());
 }
 
 TrainState MakeTrainState(std::shared_ptr<torch::nn::Module> model, const OptimizerFactory& optimizer) {

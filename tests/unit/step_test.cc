@@ -342,9 +342,8 @@ TEST_P(BlockedSgdTest, MatchesLibtorchSgd) {
     EXPECT_FALSE(at::equal(ours[i].detach(), initial[i]));
     check(ours[i].detach(), theirs[i].detach());
     if (c.momentum != 0) {
-      const auto key = [](const at::Tensor& p) { return c10::guts::to_string(p.unsafeGetTensorImpl()); };
-      const auto& a = static_cast<torch::optim::SGDParamState&>(*blocked.state().at(key(ours[i])));
-      const auto& b = static_cast<torch::optim::SGDParamState&>(*reference.state().at(key(theirs[i])));
+      const auto& a = static_cast<torch::optim::SGDParamState&>(*blocked.state().at(OptimizerStateKey(ours[i])));
+      const auto& b = static_cast<torch::optim::SGDParamState&>(*reference.state().at(OptimizerStateKey(theirs[i])));
       check(a.momentum_buffer(), b.momentum_buffer());
     }
   }

@@ -63,7 +63,7 @@ void InitializeMpi() {
       // (Rabenseifner's; ring where the count is below the power of two) moves
       // half as much per rank: 1 MiB on 2 ranks 0.47 -> 0.38 ms, 64 MiB 60 -> 38 ms
       // here. Shared-memory messages in 128 KiB fragments rather than 32 KiB: a
-      // quarter of the per-fragment work, 64 MiB 37 -> 32 ms. Both are read at
+      // quarter of the per-fragment work, 64 MiB 30 -> 24 ms. Both are read at
       // MPI_Init; a value the user set wins; other MPIs ignore them.
       setenv("OMPI_MCA_coll_libnbc_iallreduce_algorithm", "3", /*overwrite=*/0);
       setenv("OMPI_MCA_btl_vader_max_send_size", "131072", /*overwrite=*/0);
