@@ -4,21 +4,24 @@
 // SGDParamState (momentum_buffer) under the same keys, so checkpoints, param
 // groups and learning-rate changes work as with libtorch's. Only step() differs:
 //
-// - Each parameter is updated in blocks of `block_elements` consecutive elements.
-//   A block's gradient, momentum buffer and weights stay in the core's cache
-//   from the momentum update to the weight update, so main memory sees each array
-//   once per step: read gradient, momentum and weights, write momentum and weights
-//   (libtorch's step makes three passes, eight array transfers).
-// - With dampening 0 the momentum update buf = momentum * buf + grad is one
-//   multiply-add (at::add_out), which rounds once where libtorch's
-//   buf.mul_(momentum).add_(grad) rounds twice: results agree with
-//   torch::optim::SGD to the last bit or two of each element. With dampening != 0
-//   the operations are libtorch's and the results are bitwise equal.
+// - A contiguous float32 parameter (with dampening 0, or without momentum) is
+//   updated in one pass (src/trainer/sgd_kernel.h): main memory sees each array
+//   once per step, reading gradient, momentum and weights and writing momentum
+//   and weights (libtorch's step makes three passes, eight array transfers), and
+//   every multiply-add rounds once where libtorch's buf.mul_(momentum).add_(grad)
+//   rounds twice, so results agree with torch::optim::SGD to the last bit or two
+//   of each element. The same pass sums the squares of the gradients and of the
+//   new weights: last_step_squares() gives the norms that a train step reports,
+//   without two more passes over the model.
+// - Other contiguous parameters are updated in blocks of `block_elements`
+//   elements that stay in cache between libtorch's operations; with dampening != 0
+//   those operations are libtorch's and the results are bitwise equal.
+//   Non-contiguous tensors are updated whole, as libtorch does.
 //
 // On the 25M-parameter wide MLP of benchmarks/scaleout.sh with momentum, one
 // core: the optimizer step of its breakdown took 60 ms with torch::optim::SGD and
-// 32 ms with this (50 and 36 ms in a loop over the same tensors alone).
-// Non-contiguous tensors are updated whole, as libtorch does.
+// 32 ms with the blocked libtorch operations (50 and 36 ms in a loop over the same
+// tensors alone).
 #ifndef LOCKSTEP_SGD_H_
 #define LOCKSTEP_SGD_H_
 
@@ -41,8 +44,23 @@ class BlockedSgd : public torch::optim::SGD {
 
   torch::Tensor step(LossClosure closure = nullptr) override;
 
+  // What the last step() saw: the sums of squares of the gradients it applied and
+  // of the weights it left, over the `tensors` parameters (`elements` values) that
+  // had a gradient. `complete` is false when some of them were not updated by the
+  // one-pass kernel (not float32, not contiguous, dampening != 0): the sums then
+  // leave those out, and a caller wanting norms computes them itself.
+  struct Squares {
+    double gradients = 0;
+    double weights = 0;
+    int64_t tensors = 0;
+    int64_t elements = 0;
+    bool complete = false;
+  };
+  const Squares& last_step_squares() const { return last_step_squares_; }
+
  private:
   int64_t block_elements_;
+  Squares last_step_squares_;
 };
 
 }  // namespace lockstep

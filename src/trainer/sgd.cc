@@ -10,6 +10,7 @@
 
 #include "lockstep/errors.h"
 #include "lockstep/train_state.h"
+#include "sgd_kernel.h"
 
 namespace lockstep {
 namespace {
@@ -53,6 +54,8 @@ torch::Tensor BlockedSgd::step(LossClosure closure) {
     at::AutoGradMode enable_grad(true);
     loss = closure();
   }
+  Squares squares;
+  squares.complete = true;
   for (auto& group : param_groups()) {
     const auto& options = static_cast<const torch::optim::SGDOptions&>(group.options());
     const Hyper h{options.lr(), options.momentum(), options.dampening(), options.weight_decay(), options.nesterov()};
@@ -76,6 +79,28 @@ torch::Tensor BlockedSgd::step(LossClosure closure) {
           buf = static_cast<torch::optim::SGDParamState&>(*it->second).momentum_buffer();
         }
       }
+      ++squares.tensors;
+      squares.elements += p.numel();
+      const auto one_pass = [](const at::Tensor& t) {
+        return t.scalar_type() == at::kFloat && t.device().is_cpu() && t.is_contiguous() && !t.is_sparse();
+      };
+      if (one_pass(p) && one_pass(grad) && (h.momentum == 0 || (h.dampening == 0 && one_pass(buf)))) {
+        internal::SgdKernelArgs args;
+        args.weights = p.data_ptr<float>();
+        args.gradient = grad.data_ptr<float>();
+        args.momentum_buffer = h.momentum != 0 ? buf.data_ptr<float>() : nullptr;
+        args.size = p.numel();
+        args.learning_rate = static_cast<float>(h.lr);
+        args.momentum = static_cast<float>(h.momentum);
+        args.weight_decay = static_cast<float>(h.weight_decay);
+        args.nesterov = h.nesterov;
+        args.first = first;
+        const internal::SgdKernelSquares s = internal::FusedSgdUpdate(args);
+        squares.gradients += s.gradient;
+        squares.weights += s.weights;
+        continue;
+      }
+      squares.complete = false;
       const bool blocked = p.is_contiguous() && grad.is_contiguous() && (!buf.defined() || buf.is_contiguous()) &&
                            p.numel() > block_elements_;
       if (!blocked) {
@@ -93,6 +118,7 @@ torch::Tensor BlockedSgd::step(LossClosure closure) {
       }
     }
   }
+  last_step_squares_ = squares;
   return loss;
 }
 

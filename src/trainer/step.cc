@@ -4,10 +4,12 @@
 #include <ATen/core/grad_mode.h>
 #include <torch/nn/utils/clip_grad.h>
 
+#include <cmath>
 #include <string>
 
 #include "lockstep/data_parallel.h"
 #include "lockstep/errors.h"
+#include "lockstep/sgd.h"
 
 namespace lockstep {
 namespace {
@@ -146,11 +148,16 @@ MetricMap RunTrainStep(TrainState& state, const Batch& host_batch, const ApplyFn
 
   if (data_parallel != nullptr) data_parallel->bucketer().Finish();
 
+  // The gradient norm is the clipping's when clipping; else, like the weight norm
+  // after the update, it comes from BlockedSgd's one pass over the model when that
+  // covered every parameter, and from two more passes otherwise.
   double grad_norm = 0.0;
-  if (options.max_grad_norm > 0) {
+  const bool clipped = options.max_grad_norm > 0;
+  const auto* sgd = dynamic_cast<const BlockedSgd*>(&optimizer);
+  if (clipped) {
     grad_norm = torch::nn::utils::clip_grad_norm_(params, options.max_grad_norm);
-  } else {
-    grad_norm = GlobalL2Norm(Gradients(params));
+  } else if (sgd == nullptr) {
+    grad_norm = GlobalL2Norm(Gradients(params));  // before an optimizer that might change them
   }
   std::vector<std::pair<std::string, at::Tensor>> before;
   if (options.weight_metrics) {
@@ -159,6 +166,17 @@ MetricMap RunTrainStep(TrainState& state, const Batch& host_batch, const ApplyFn
   if (options.before_update) options.before_update();
   optimizer.step();
   ++state.step;
+  bool one_pass_norms = sgd != nullptr && sgd->last_step_squares().complete &&
+                        sgd->last_step_squares().tensors == static_cast<int64_t>(params.size());
+  if (one_pass_norms) {
+    int64_t elements = 0;
+    for (const at::Tensor& p : params) elements += p.numel();
+    one_pass_norms = elements == sgd->last_step_squares().elements;
+  }
+  if (!clipped && sgd != nullptr) {
+    // BlockedSgd leaves the gradients as they were: after its step is as good as before.
+    grad_norm = one_pass_norms ? std::sqrt(sgd->last_step_squares().gradients) : GlobalL2Norm(Gradients(params));
+  }
 
   // This rank's values; MetricsManager combines ranks once per summary period. A
   // rank whose shard was empty reports no loss.
@@ -169,7 +187,7 @@ MetricMap RunTrainStep(TrainState& state, const Batch& host_batch, const ApplyFn
   }
   metrics[kLearningRate] = learning_rate;
   metrics[kGradientsL2Norm] = grad_norm;
-  metrics[kWeightsL2Norm] = GlobalL2Norm(params);
+  metrics[kWeightsL2Norm] = one_pass_norms ? std::sqrt(sgd->last_step_squares().weights) : GlobalL2Norm(params);
   metrics[kNumExamples] = local_weight;
   if (options.weight_metrics) {
     const auto named = state.model->named_parameters();

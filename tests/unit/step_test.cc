@@ -131,8 +131,16 @@ TEST(TrainStepTest, ReportsMetricsAccumulatedOverMicrobatches) {
   EXPECT_NEAR(m.at(kLoss), loss, 1e-6);
   EXPECT_NEAR(m.at(kAccuracy), accuracy, 1e-9);
   EXPECT_DOUBLE_EQ(m.at(kLearningRate), 0.1);
+  // Both norms come from BlockedSgd's pass over the model: they match norms taken
+  // in float64 afterwards (SGD leaves the gradients as they were).
+  double grad_squares = 0, weight_squares = 0;
+  for (const at::Tensor& p : model.module->parameters()) {
+    grad_squares += p.grad().to(at::kDouble).pow(2).sum().item<double>();
+    weight_squares += p.detach().to(at::kDouble).pow(2).sum().item<double>();
+  }
   EXPECT_GT(m.at(kGradientsL2Norm), 0);
-  EXPECT_NEAR(m.at(kWeightsL2Norm), GlobalL2Norm(model.module->parameters()), 1e-9);
+  EXPECT_NEAR(m.at(kGradientsL2Norm), std::sqrt(grad_squares), 1e-6 * std::sqrt(grad_squares));
+  EXPECT_NEAR(m.at(kWeightsL2Norm), std::sqrt(weight_squares), 1e-6 * std::sqrt(weight_squares));
   EXPECT_NE(m.at(kWeightsL2Norm), weights_before);
   EXPECT_EQ(m.count(kSecondsPerStep), 0u) << "timing is MetricsManager's";
   EXPECT_EQ(m.at(kNumExamples), 30);
@@ -352,9 +360,50 @@ TEST_P(BlockedSgdTest, MatchesLibtorchSgd) {
 INSTANTIATE_TEST_SUITE_P(Options, BlockedSgdTest,
                          ::testing::Values(SgdCase{0.9, 0.1, 0.01, false, 7, true},
                                            SgdCase{0.9, 0.1, 0.0, false, BlockedSgd::kDefaultBlockElements, true},
-                                           SgdCase{0.0, 0.0, 0.01, false, 7, true},
+                                           SgdCase{0.0, 0.0, 0.01, false, 7, false},
+                                           SgdCase{0.0, 0.0, 0.0, false, 7, false},
                                            SgdCase{0.9, 0.0, 0.0, false, 7, false},
-                                           SgdCase{0.9, 0.0, 0.01, true, 64, false}));
+                                           SgdCase{0.9, 0.0, 0.01, true, 64, false},
+                                           SgdCase{0.9, 0.0, 0.0, true, 64, false}));
+
+// The one-pass kernel's sums of squares: the gradients it read and the weights it
+// left, against float64 sums; `complete` only when every parameter went through it.
+TEST(BlockedSgdTest, ReportsTheSquaresOfGradientsAndNewWeights) {
+  at::manual_seed(5);
+  // 5000 elements: several 1024-element blocks and a ragged tail.
+  std::vector<at::Tensor> params = {at::randn({50, 100}).requires_grad_(), at::randn({3}).requires_grad_(),
+                                    at::randn({4}).requires_grad_()};
+  for (const at::Tensor& p : params) p.mutable_grad() = at::randn(p.sizes());
+  params[2].mutable_grad() = at::Tensor();  // no gradient: not updated, not counted
+  BlockedSgd sgd(params, torch::optim::SGDOptions(0.1).momentum(0.9).weight_decay(0.01));
+  for (int step = 0; step < 2; ++step) {
+    sgd.step();
+    double grads = 0, weights = 0;
+    for (size_t i = 0; i < 2; ++i) {
+      grads += params[i].grad().to(at::kDouble).pow(2).sum().item<double>();
+      weights += params[i].detach().to(at::kDouble).pow(2).sum().item<double>();
+    }
+    const BlockedSgd::Squares& s = sgd.last_step_squares();
+    EXPECT_TRUE(s.complete);
+    EXPECT_EQ(s.tensors, 2);
+    EXPECT_EQ(s.elements, 5003);
+    EXPECT_NEAR(s.gradients, grads, 1e-6 * grads);
+    EXPECT_NEAR(s.weights, weights, 1e-6 * weights);
+  }
+
+  // A non-contiguous parameter goes through libtorch's operations.
+  std::vector<at::Tensor> strided = {at::randn({6, 4}).t().requires_grad_(), at::randn({5}).requires_grad_()};
+  for (const at::Tensor& p : strided) p.mutable_grad() = at::randn(p.sizes());
+  BlockedSgd mixed(strided, torch::optim::SGDOptions(0.1).momentum(0.9));
+  mixed.step();
+  EXPECT_FALSE(mixed.last_step_squares().complete);
+  EXPECT_EQ(mixed.last_step_squares().tensors, 2);
+
+  // So does every parameter when dampening is not 0.
+  BlockedSgd damped(params, torch::optim::SGDOptions(0.1).momentum(0.9).dampening(0.5));
+  damped.step();
+  EXPECT_FALSE(damped.last_step_squares().complete);
+}
 
 TEST(BlockedSgdTest, FactoryMakesItAndRejectsABadBlock) {
   OptimizerOptions o;
