@@ -58,7 +58,7 @@ def parse_args(argv=None):
     p.add_argument("--build-dir", default=os.environ.get("BUILD_DIR", os.path.join(ROOT, "build")))
     p.add_argument("--models", default=",".join(MODELS))
     p.add_argument("--ranks", default=None, help="rank counts, e.g. 1,2,4 (default: 1 and powers of two up to the cores)")
-    p.add_argument("--rounds", type=int, default=None, help="interleaved repetitions of every run (default 3; quick 1)")
+    p.add_argument("--rounds", type=int, default=None, help="interleaved repetitions of every run (default 5; quick 1)")
     p.add_argument("--optimizer", choices=["sgd", "adam"], default="sgd")
     p.add_argument("--threads", type=int, default=1, help="intra-op threads per rank, both frameworks")
     p.add_argument("--ddp-variants", default=None,
@@ -342,7 +342,7 @@ def main(argv=None):
         if m not in MODELS:
             sys.exit(f"scaleout: unknown model '{m}' (known: {', '.join(MODELS)})")
     configs = QUICK if args.quick else FULL
-    rounds = args.rounds or (1 if args.quick else 3)
+    rounds = args.rounds or (1 if args.quick else 5)
     variants = (args.ddp_variants or "pytorch").split(",")
     for v in variants:
         if v not in DDP_VARIANTS:
