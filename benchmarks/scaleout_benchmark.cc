@@ -17,7 +17,9 @@
 // model and batches.
 //
 // --mode=collectives: all-reduce of float32 messages of each size, the
-// Communicator against raw MPI_Allreduce on MPI_COMM_WORLD, in the same run.
+// Communicator against raw MPI_Allreduce on MPI_COMM_WORLD, in the same run: on
+// a buffer from AllocateCollectiveBuffer, as gradient buckets use ("lockstep_s"),
+// and on an ordinary tensor ("lockstep_plain_s").
 // Every rank runs the same fixed iteration counts (collectives must match).
 #include <ATen/ATen.h>
 #include <mpi.h>
@@ -53,6 +55,8 @@ ABSL_FLAG(int, breakdown_steps, 10, "timed steps of the hand-written forward/bac
 ABSL_FLAG(double, bucket_mb, 25, "gradient bucket size in MiB");
 ABSL_FLAG(int64_t, chunk_kib, 1024, "the MPI communicator's chunk size (MpiOptions::chunk_bytes), KiB");
 ABSL_FLAG(int, chunks_in_flight, 4, "the MPI communicator's MpiOptions::chunks_in_flight");
+ABSL_FLAG(bool, shared_memory_buffers, true,
+          "the MPI communicator's MpiOptions::shared_memory_buffers (gradient buckets in shared memory on one host)");
 ABSL_FLAG(std::string, sizes, "8,4096,65536,262144,1048576,4194304,16777216,67108864",
           "collectives: message sizes in bytes, comma-separated");
 
@@ -330,9 +334,11 @@ int RunCollectives(Communicator& comm) {
   bool first = true;
   for (const int64_t bytes : ParseSizes(absl::GetFlag(FLAGS_sizes))) {
     at::Tensor t = at::ones({bytes / 4}, at::kFloat);
+    // A buffer as gradient buckets get it (shared memory on one host).
+    at::Tensor bucket = comm.AllocateCollectiveBuffer(bytes / 4, at::TensorOptions().dtype(at::kFloat)).fill_(1);
     const int n = Iterations(bytes);
-    // Three timings of n calls each, interleaved between the two; the median.
-    std::vector<double> raw, ours;
+    // Three timings of n calls each, interleaved between the three; the median.
+    std::vector<double> raw, ours, plain;
     for (int rep = 0; rep < 4; ++rep) {
       MPI_Barrier(MPI_COMM_WORLD);
       auto start = Clock::now();
@@ -342,21 +348,27 @@ int RunCollectives(Communicator& comm) {
       const double raw_s = Since(start) / n;
       comm.Barrier();
       start = Clock::now();
-      for (int i = 0; i < n; ++i) comm.AllReduce(t, ReduceOp::kSum);
+      for (int i = 0; i < n; ++i) comm.AllReduce(bucket, ReduceOp::kSum);
       const double ours_s = Since(start) / n;
+      comm.Barrier();
+      start = Clock::now();
+      for (int i = 0; i < n; ++i) comm.AllReduce(t, ReduceOp::kSum);
+      const double plain_s = Since(start) / n;
       if (rep == 0) continue;  // warm-up
       raw.push_back(raw_s);
       ours.push_back(ours_s);
+      plain.push_back(plain_s);
     }
     // The slowest rank's time is the collective's.
-    const std::vector<double> all = GatherAll(comm, {Median(raw), Median(ours)});
-    double raw_s = 0, ours_s = 0;
+    const std::vector<double> all = GatherAll(comm, {Median(raw), Median(ours), Median(plain)});
+    double raw_s = 0, ours_s = 0, plain_s = 0;
     for (int r = 0; r < world; ++r) {
-      raw_s = std::max(raw_s, all[2 * r]);
-      ours_s = std::max(ours_s, all[2 * r + 1]);
+      raw_s = std::max(raw_s, all[3 * r]);
+      ours_s = std::max(ours_s, all[3 * r + 1]);
+      plain_s = std::max(plain_s, all[3 * r + 2]);
     }
     rows << (first ? "" : ",") << "{\"bytes\":" << bytes << ",\"iterations\":" << n << ",\"mpi_s\":" << raw_s
-         << ",\"lockstep_s\":" << ours_s << "}";
+         << ",\"lockstep_s\":" << ours_s << ",\"lockstep_plain_s\":" << plain_s << "}";
     first = false;
   }
   if (comm.rank() == 0) {
@@ -374,6 +386,7 @@ int Main() {
   MpiOptions mpi;
   mpi.chunk_bytes = static_cast<size_t>(absl::GetFlag(FLAGS_chunk_kib)) << 10;
   mpi.chunks_in_flight = absl::GetFlag(FLAGS_chunks_in_flight);
+  mpi.shared_memory_buffers = absl::GetFlag(FLAGS_shared_memory_buffers);
   std::unique_ptr<Communicator> comm = MakeMpiCommunicator(mpi);
   const std::string mode = absl::GetFlag(FLAGS_mode);
   if (mode == "train") return RunTrain(*comm, runtime);

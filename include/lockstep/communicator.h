@@ -17,6 +17,7 @@
 #define LOCKSTEP_COMMUNICATOR_H_
 
 #include <ATen/core/Tensor.h>
+#include <c10/core/TensorOptions.h>
 
 #include <chrono>
 #include <memory>
@@ -80,6 +81,16 @@ class Communicator {
   virtual std::shared_ptr<Work> BroadcastAsync(at::Tensor tensor, int root, const CollectiveOptions& options) = 0;
   // Completes once every rank has called it.
   virtual std::shared_ptr<Work> BarrierAsync(const CollectiveOptions& options) = 0;
+
+  // A 1-D tensor of `numel` elements (contents undefined) for data this
+  // communicator will all-reduce again and again, such as gradient buckets. A
+  // collective: every rank calls it with the same arguments, in the same order as
+  // its other collectives. A backend may place it where it reduces fastest (the
+  // MPI communicator: memory that every rank of a one-host job maps, see
+  // lockstep/mpi_communicator.h); the default is at::empty. Errors: those of the
+  // other collectives.
+  virtual at::Tensor AllocateCollectiveBuffer(int64_t numel, const at::TensorOptions& options,
+                                              const CollectiveOptions& collective = {});
 
   // Safe from any thread (the coordination client's, when a peer died): the
   // collective in progress, or the next one, fails with a CollectiveError that

@@ -16,6 +16,20 @@
 // all-gather instead of the binomial tree libnbc takes for in-place all-reduces
 // on fewer than 4 ranks) and OMPI_MCA_btl_vader_max_send_size=131072 (larger
 // shared-memory fragments).
+//
+// When every rank runs on one host, AllocateCollectiveBuffer (gradient buckets)
+// puts each rank's buffer in POSIX shared memory (shm_open, pages reserved with
+// posix_fallocate) that every rank maps. An all-reduce (sum or average) of
+// exactly such a buffer then skips MPI's copies: after a barrier, rank r adds up
+// slice r of every rank's buffer and writes the sum into all of them, and a
+// second barrier ends the call. Memory traffic per rank is one read and one write
+// of each buffer (MPI's shared-memory all-reduce copies every byte through its
+// own segments several times): on 2 ranks here, 64 MiB went from about 30 ms to
+// SHARED_64MIB_MS and 1 MiB from 0.26 ms to SHARED_1MIB_MS. Sums are taken in rank order, so the
+// results are the same on every rank and every run. If shared memory cannot be
+// had (a small /dev/shm in a container, say), a rank that could not says why on stderr and every rank
+// uses plain buffers through MPI; ranks on several hosts always do. Shared pages
+// count in the resident size of every process that touches them.
 #ifndef LOCKSTEP_MPI_COMMUNICATOR_H_
 #define LOCKSTEP_MPI_COMMUNICATOR_H_
 
@@ -29,6 +43,9 @@ namespace lockstep {
 struct MpiOptions {
   size_t chunk_bytes = size_t{1} << 20;
   int chunks_in_flight = 4;
+  // AllocateCollectiveBuffer in shared memory when every rank is on one host
+  // (see above); false: plain tensors, every all-reduce through MPI.
+  bool shared_memory_buffers = true;
 };
 
 // A communicator over a duplicate of MPI_COMM_WORLD. Throws CollectiveError when

@@ -70,6 +70,11 @@ class SingleProcessCommunicator final : public Communicator {
 
 }  // namespace
 
+at::Tensor Communicator::AllocateCollectiveBuffer(int64_t numel, const at::TensorOptions& options,
+                                                  const CollectiveOptions&) {
+  return at::empty({numel}, options);
+}
+
 void CheckCollectiveTensor(const at::Tensor& tensor, const char* call) {
   if (!tensor.defined()) throw InvalidArgumentError(std::string(call) + ": undefined tensor");
   if (!tensor.is_contiguous()) throw InvalidArgumentError(std::string(call) + ": tensor must be contiguous");

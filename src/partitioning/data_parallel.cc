@@ -80,7 +80,11 @@ struct GradientBucketer::State {
     for (Bucket& bucket : buckets) {
       int64_t numel = 0;
       for (size_t p : bucket.params) numel += parameters[p].numel();
-      bucket.flat = at::zeros({numel}, parameters[bucket.params.front()].options().requires_grad(false));
+      // Where the communicator reduces fastest (shared memory for MPI on one host).
+      bucket.flat = communicator
+                        ->AllocateCollectiveBuffer(numel, parameters[bucket.params.front()].options().requires_grad(false),
+                                                   collective)
+                        .zero_();
       int64_t offset = 0;
       for (size_t p : bucket.params) {
         at::Tensor& param = parameters[p];

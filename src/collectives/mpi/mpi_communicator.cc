@@ -1,15 +1,23 @@
 #include "lockstep/mpi_communicator.h"
 
 #include <ATen/ATen.h>
+#include <fcntl.h>
 #include <mpi.h>
+#include <sys/mman.h>
+#include <unistd.h>
 
+#include <algorithm>
 #include <atomic>
 #include <chrono>
 #include <climits>
+#include <cstdio>
 #include <cstdlib>
+#include <cstring>
 #include <deque>
 #include <exception>
 #include <functional>
+#include <map>
+#include <random>
 #include <mutex>
 #include <string>
 #include <thread>
@@ -149,6 +157,54 @@ class MpiWork final : public Work {
   std::exception_ptr error_ ABSL_GUARDED_BY(mu_);
 };
 
+// A buffer from AllocateCollectiveBuffer in POSIX shared memory: every rank's
+// buffer of the same allocation, as mapped into this process.
+struct SharedSegment {
+  size_t bytes = 0;
+  std::vector<void*> maps;  // rank -> this process's mapping of that rank's buffer
+  SharedSegment() = default;
+  SharedSegment(const SharedSegment&) = delete;
+  SharedSegment& operator=(const SharedSegment&) = delete;
+  ~SharedSegment() { Unmap(); }
+  void Unmap() {
+    for (void* p : maps) {
+      if (p != nullptr) munmap(p, bytes);
+    }
+    maps.clear();
+  }
+};
+
+// The live shared buffers by this rank's base address. Shared with the tensors'
+// deleters, which may run after the communicator is gone.
+struct SharedRegistry {
+  absl::Mutex mu;
+  std::map<const void*, std::shared_ptr<SharedSegment>> segments ABSL_GUARDED_BY(mu);
+};
+
+// Sum (or mean) over ranks of elements [lo, hi) of every rank's buffer, written
+// back to every rank's buffer. Ranks are added in rank order, so every element's
+// result is the same on every rank and from run to run. A 2048-element block of
+// the sum stays in L1: memory sees each rank's slice read once and written once.
+template <typename T>
+void ReduceSliceInPlace(const std::vector<void*>& maps, int64_t lo, int64_t hi, bool average) {
+  constexpr int64_t kBlock = 2048;
+  T acc[kBlock];
+  const int world = static_cast<int>(maps.size());
+  for (int64_t start = lo; start < hi; start += kBlock) {
+    const int64_t len = std::min(kBlock, hi - start);
+    const T* first = static_cast<const T*>(maps[0]) + start;
+    std::copy(first, first + len, acc);
+    for (int r = 1; r < world; ++r) {
+      const T* __restrict src = static_cast<const T*>(maps[r]) + start;
+      for (int64_t i = 0; i < len; ++i) acc[i] += src[i];
+    }
+    if (average) {
+      for (int64_t i = 0; i < len; ++i) acc[i] /= static_cast<T>(world);
+    }
+    for (int r = 0; r < world; ++r) std::copy(acc, acc + len, static_cast<T*>(maps[r]) + start);
+  }
+}
+
 class MpiCommunicator final : public Communicator {
  public:
   explicit MpiCommunicator(const MpiOptions& options) : options_(options) {
@@ -160,6 +216,20 @@ class MpiCommunicator final : public Communicator {
     LOCKSTEP_MPI_CHECK(MPI_Comm_set_errhandler(comm_, MPI_ERRORS_RETURN));
     LOCKSTEP_MPI_CHECK(MPI_Comm_rank(comm_, &rank_));
     LOCKSTEP_MPI_CHECK(MPI_Comm_size(comm_, &world_size_));
+    if (options_.shared_memory_buffers && world_size_ > 1) {
+      // Shared buffers only when every rank is on this host.
+      MPI_Comm node = MPI_COMM_NULL;
+      LOCKSTEP_MPI_CHECK(MPI_Comm_split_type(comm_, MPI_COMM_TYPE_SHARED, rank_, MPI_INFO_NULL, &node));
+      int node_size = 0;
+      LOCKSTEP_MPI_CHECK(MPI_Comm_size(node, &node_size));
+      LOCKSTEP_MPI_CHECK(MPI_Comm_free(&node));
+      // Rank 0's random number names this communicator's segments.
+      uint64_t id = std::random_device{}();
+      id = (id << 32) ^ std::random_device{}();
+      LOCKSTEP_MPI_CHECK(MPI_Bcast(&id, 1, MPI_UINT64_T, 0, comm_));
+      shared_prefix_ = absl::StrCat("/lockstep-", absl::Hex(id, absl::kZeroPad16));
+      shared_ok_ = node_size == world_size_;
+    }
     worker_ = std::thread([this] { WorkerLoop(); });
   }
 
@@ -182,6 +252,14 @@ class MpiCommunicator final : public Communicator {
     if (op == ReduceOp::kAverage && !at::isFloatingType(tensor.scalar_type())) {
       throw InvalidArgumentError("all_reduce: average needs a floating-point tensor, got " +
                                  std::string(at::toString(tensor.scalar_type())));
+    }
+    if (op != ReduceOp::kMax) {
+      if (std::shared_ptr<SharedSegment> segment = FindSegment(tensor)) {
+        return Enqueue(Describe("all_reduce", tensor), options,
+                       [this, tensor, op, segment](Clock::time_point deadline) {
+                         SharedAllReduce(*segment, tensor, op == ReduceOp::kAverage, deadline);
+                       });
+      }
     }
     return Enqueue(Describe("all_reduce", tensor), options, [this, tensor, op, type](Clock::time_point deadline) {
       if (ReducedInFloat(tensor.scalar_type())) {
@@ -255,6 +333,33 @@ class MpiCommunicator final : public Communicator {
       LOCKSTEP_MPI_CHECK(MPI_Ibarrier(comm_, &request));
       Drive(&request, 1, deadline);
     });
+  }
+
+  at::Tensor AllocateCollectiveBuffer(int64_t numel, const at::TensorOptions& options,
+                                      const CollectiveOptions& collective) override {
+    const at::ScalarType dtype = c10::typeMetaToScalarType(options.dtype());
+    if (!shared_ok_ || numel <= 0 || !options.device().is_cpu() || (dtype != at::kFloat && dtype != at::kDouble)) {
+      return at::empty({numel}, options);
+    }
+    auto segment = std::make_shared<SharedSegment>();
+    segment->bytes = static_cast<size_t>(numel) * c10::elementSize(dtype);
+    const uint64_t id = next_segment_id_++;
+    Enqueue(absl::StrCat("shared buffer of ", segment->bytes, " bytes"), collective,
+            [this, segment, id](Clock::time_point deadline) { MapSharedSegment(*segment, id, deadline); })
+        ->Wait();
+    if (segment->maps.empty()) return at::empty({numel}, options);  // on every rank alike
+    void* base = segment->maps[rank_];
+    {
+      absl::MutexLock lock(&registry_->mu);
+      registry_->segments[base] = segment;
+    }
+    return at::from_blob(
+        base, {numel},
+        [registry = registry_, base](void*) {
+          absl::MutexLock lock(&registry->mu);
+          registry->segments.erase(base);  // unmapped once no all-reduce holds it either
+        },
+        options);
   }
 
  private:
@@ -390,11 +495,118 @@ class MpiCommunicator final : public Communicator {
     });
   }
 
+  // The segment of a whole buffer from AllocateCollectiveBuffer, if `tensor` is one.
+  std::shared_ptr<SharedSegment> FindSegment(const at::Tensor& tensor) {
+    if (!shared_ok_ || !tensor.is_contiguous() || !tensor.device().is_cpu() ||
+        (tensor.scalar_type() != at::kFloat && tensor.scalar_type() != at::kDouble)) {
+      return nullptr;
+    }
+    absl::MutexLock lock(&registry_->mu);
+    auto it = registry_->segments.find(tensor.data_ptr());
+    if (it == registry_->segments.end() || it->second->bytes != static_cast<size_t>(tensor.numel()) * tensor.element_size()) {
+      return nullptr;
+    }
+    return it->second;
+  }
+
+  std::string SegmentName(uint64_t id, int rank) const { return absl::StrCat(shared_prefix_, "-", id, "-", rank); }
+
+  // Whether `ok` holds on every rank (a collective).
+  bool OnEveryRank(bool ok, Clock::time_point deadline) {
+    int value = ok ? 1 : 0;
+    MPI_Request request;
+    LOCKSTEP_MPI_CHECK(MPI_Iallreduce(MPI_IN_PLACE, &value, 1, MPI_INT, MPI_MIN, comm_, &request));
+    Drive(&request, 1, deadline);
+    return value == 1;
+  }
+
+  void BarrierNow(Clock::time_point deadline) {
+    MPI_Request request;
+    LOCKSTEP_MPI_CHECK(MPI_Ibarrier(comm_, &request));
+    Drive(&request, 1, deadline);
+  }
+
+  // On the worker, every rank: creates this rank's segment (tmpfs pages reserved
+  // up front, so that running out of /dev/shm is an error here and not a SIGBUS
+  // later), maps every rank's, and removes the names once all are mapped. Leaves
+  // `segment.maps` empty on every rank when any rank could not.
+  void MapSharedSegment(SharedSegment& segment, uint64_t id, Clock::time_point deadline) {
+    segment.maps.assign(world_size_, nullptr);
+    const std::string own = SegmentName(id, rank_);
+    std::string problem;
+    const int fd = shm_open(own.c_str(), O_CREAT | O_EXCL | O_RDWR, 0600);
+    struct Unlink {
+      const std::string& name;
+      bool armed;
+      ~Unlink() {
+        if (armed) shm_unlink(name.c_str());
+      }
+    } unlink_own{own, fd >= 0};
+    if (fd < 0) {
+      problem = absl::StrCat("shm_open ", own, ": ", std::strerror(errno));
+    } else {
+      const int rc = posix_fallocate(fd, 0, static_cast<off_t>(segment.bytes));
+      void* p = rc == 0 ? mmap(nullptr, segment.bytes, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0) : MAP_FAILED;
+      if (rc != 0) {
+        problem = absl::StrCat("reserving ", segment.bytes, " bytes of shared memory: ", std::strerror(rc));
+      } else if (p == MAP_FAILED) {
+        problem = absl::StrCat("mmap: ", std::strerror(errno));
+      } else {
+        segment.maps[rank_] = p;
+      }
+      close(fd);
+    }
+    bool ok = OnEveryRank(problem.empty(), deadline);
+    for (int r = 0; ok && r < world_size_; ++r) {
+      if (r == rank_) continue;
+      const int peer = shm_open(SegmentName(id, r).c_str(), O_RDWR, 0);
+      void* p = peer >= 0 ? mmap(nullptr, segment.bytes, PROT_READ | PROT_WRITE, MAP_SHARED, peer, 0) : MAP_FAILED;
+      if (peer >= 0) close(peer);
+      if (p == MAP_FAILED) {
+        problem = absl::StrCat("mapping rank ", r, "'s shared memory: ", std::strerror(errno));
+        break;
+      }
+      segment.maps[r] = p;
+    }
+    if (ok) ok = OnEveryRank(problem.empty(), deadline);  // also: every rank has mapped every segment
+    if (!ok) {
+      segment.Unmap();
+      if (!problem.empty() && !warned_shared_) {
+        warned_shared_ = true;
+        std::fprintf(stderr, "lockstep: rank %d: no shared-memory collective buffers (%s); all-reduces go through MPI\n",
+                     rank_, problem.c_str());
+      }
+    }
+  }
+
+  // All-reduce of a whole shared buffer in place: once every rank's buffer is
+  // final (a barrier), rank r reduces slice r of all of them and writes the result
+  // into all of them; a second barrier ends it. No copies through MPI.
+  void SharedAllReduce(const SharedSegment& segment, const at::Tensor& tensor, bool average, Clock::time_point deadline) {
+    BarrierNow(deadline);
+    std::atomic_thread_fence(std::memory_order_seq_cst);
+    const int64_t n = tensor.numel();
+    const int64_t lo = n * rank_ / world_size_;
+    const int64_t hi = n * (rank_ + 1) / world_size_;
+    if (tensor.scalar_type() == at::kFloat) {
+      ReduceSliceInPlace<float>(segment.maps, lo, hi, average);
+    } else {
+      ReduceSliceInPlace<double>(segment.maps, lo, hi, average);
+    }
+    std::atomic_thread_fence(std::memory_order_seq_cst);
+    BarrierNow(deadline);
+  }
+
   // Fixed after construction.
   const MpiOptions options_;
   MPI_Comm comm_ = MPI_COMM_NULL;  // used by the worker thread only, after construction
   int rank_ = 0;
   int world_size_ = 1;
+  bool shared_ok_ = false;  // AllocateCollectiveBuffer may share memory
+  std::string shared_prefix_;
+  const std::shared_ptr<SharedRegistry> registry_ = std::make_shared<SharedRegistry>();
+  std::atomic<uint64_t> next_segment_id_{0};
+  bool warned_shared_ = false;  // worker only
 
   absl::Mutex mu_;
   std::deque<Task> queue_ ABSL_GUARDED_BY(mu_);
