@@ -5,7 +5,11 @@
 #include <gmock/gmock.h>
 #include <gtest/gtest.h>
 
+#include <cstdint>
+#include <fstream>
 #include <memory>
+#include <sstream>
+#include <string>
 #include <vector>
 
 #include "lockstep/communicator.h"
@@ -124,6 +128,78 @@ TEST_F(CollectivesTest, IndependentCommunicators) {
   wa->Wait();
   EXPECT_TRUE(a.eq(size_).all().item<bool>());
   EXPECT_TRUE(b.eq(2 * size_).all().item<bool>());
+}
+
+// The line of /proc/self/maps whose range holds `address`, or "".
+std::string MappingOf(const void* address) {
+  std::ifstream maps("/proc/self/maps");
+  const auto a = reinterpret_cast<uintptr_t>(address);
+  for (std::string line; std::getline(maps, line);) {
+    std::istringstream fields(line);
+    std::string range;
+    fields >> range;
+    const size_t dash = range.find('-');
+    const uintptr_t lo = std::stoull(range.substr(0, dash), nullptr, 16);
+    const uintptr_t hi = std::stoull(range.substr(dash + 1), nullptr, 16);
+    if (a >= lo && a < hi) return line;
+  }
+  return "";
+}
+
+// On one host, float and double collective buffers live in shared memory whose
+// name is already gone (mapped "(deleted)"), and all-reducing a whole one (the
+// in-place path) gives the same sums and means as MPI, again and again.
+TEST_F(CollectivesTest, SharedCollectiveBuffersReduceInPlace) {
+  for (at::ScalarType type : {at::kFloat, at::kDouble}) {
+    for (int64_t n : {int64_t{1}, int64_t{17}, int64_t{3 * 2048 + 5}, int64_t{(1 << 20) + 3}}) {
+      SCOPED_TRACE(std::string(at::toString(type)) + " n=" + std::to_string(n));
+      at::Tensor buffer = comm_->AllocateCollectiveBuffer(n, at::TensorOptions().dtype(type));
+      ASSERT_EQ(buffer.numel(), n);
+      ASSERT_EQ(buffer.scalar_type(), type);
+      EXPECT_THAT(MappingOf(buffer.data_ptr()), ::testing::AllOf(::testing::HasSubstr("/dev/shm/lockstep-"),
+                                                                 ::testing::HasSubstr("(deleted)")));
+      const at::Tensor pattern = Pattern(n, type);
+      for (int round = 0; round < 3; ++round) {
+        buffer.copy_(pattern * (rank_ + 1 + round));
+        comm_->AllReduce(buffer, ReduceOp::kSum);
+        EXPECT_TRUE(buffer.equal(pattern * (size_ * (size_ + 1) / 2 + size_ * round)));
+        buffer.copy_(pattern * (2 * rank_ + 1));  // mean over ranks of 2r+1 is size
+        comm_->AllReduce(buffer, ReduceOp::kAverage);
+        EXPECT_TRUE(buffer.equal(pattern * size_));
+      }
+      // Max, and a part of the buffer, go through MPI.
+      buffer.copy_(pattern * (rank_ + 1));
+      comm_->AllReduce(buffer, ReduceOp::kMax);
+      EXPECT_TRUE(buffer.equal(pattern * size_));
+      if (n > 2) {
+        buffer.copy_(pattern * (rank_ + 1));
+        at::Tensor part = buffer.narrow(0, 1, n - 2);
+        comm_->AllReduce(part, ReduceOp::kSum);
+        EXPECT_TRUE(part.equal(pattern.narrow(0, 1, n - 2) * (size_ * (size_ + 1) / 2)));
+        EXPECT_TRUE(buffer.narrow(0, 0, 1).equal(pattern.narrow(0, 0, 1) * (rank_ + 1))) << "outside the part";
+      }
+    }
+  }
+}
+
+// Other dtypes, an empty buffer, and a communicator told not to share get plain
+// tensors, which reduce through MPI as any other.
+TEST_F(CollectivesTest, CollectiveBuffersFallBackToPlainTensors) {
+  at::Tensor longs = comm_->AllocateCollectiveBuffer(33, at::TensorOptions().dtype(at::kLong));
+  EXPECT_THAT(MappingOf(longs.data_ptr()), ::testing::Not(::testing::HasSubstr("lockstep-")));
+  longs.fill_(rank_ + 1);
+  comm_->AllReduce(longs, ReduceOp::kSum);
+  EXPECT_TRUE(longs.eq(size_ * (size_ + 1) / 2).all().item<bool>());
+  EXPECT_EQ(comm_->AllocateCollectiveBuffer(0, at::TensorOptions().dtype(at::kFloat)).numel(), 0);
+
+  MpiOptions no_sharing;
+  no_sharing.shared_memory_buffers = false;
+  std::unique_ptr<Communicator> plain = MakeMpiCommunicator(no_sharing);
+  at::Tensor floats = plain->AllocateCollectiveBuffer(1000, at::TensorOptions().dtype(at::kFloat));
+  EXPECT_THAT(MappingOf(floats.data_ptr()), ::testing::Not(::testing::HasSubstr("lockstep-")));
+  floats.fill_(rank_ + 1);
+  plain->AllReduce(floats, ReduceOp::kSum);
+  EXPECT_TRUE(floats.eq(size_ * (size_ + 1) / 2).all().item<bool>());
 }
 
 }  // namespace
