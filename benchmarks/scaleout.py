@@ -370,7 +370,10 @@ def main(argv=None):
             continue
         rows = []
         for r in result["allreduce"]:
-            row = {"bytes": r["bytes"], "lockstep_s": r["lockstep_s"], "mpi_s": r["mpi_s"]}
+            # lockstep_s: a gradient bucket's buffer (AllocateCollectiveBuffer: shared memory on
+            # one host); lockstep_plain_s: an ordinary tensor (through MPI).
+            row = {"bytes": r["bytes"], "lockstep_s": r["lockstep_s"], "mpi_s": r["mpi_s"],
+                   "lockstep_plain_s": r.get("lockstep_plain_s")}
             for who in ("lockstep", "mpi"):
                 algbw = r["bytes"] / r[f"{who}_s"] / 1e9
                 row[f"{who}_algbw_gbps"] = algbw
@@ -539,12 +542,15 @@ def print_report(results, frameworks):
                     ["framework", "ranks", "step ms", "examples/s", "efficiency", "nosync ms", "comm share",
                      "comm wait", "peak RSS MiB", "lockstep/this"], rows)
     for n, rows in results["collectives"].items():
-        print_table(f"All-reduce, float32, {n} ranks (busbw = algbw * 2(n-1)/n)",
-                    ["bytes", "lockstep ms", "algbw GB/s", "busbw GB/s", "MPI_Allreduce ms", "algbw GB/s",
+        print_table(f"All-reduce, float32, {n} ranks (busbw = algbw * 2(n-1)/n; lockstep: a gradient bucket's "
+                    f"buffer, shared memory on one host; plain: an ordinary tensor, through MPI)",
+                    ["bytes", "lockstep ms", "algbw GB/s", "busbw GB/s", "plain ms", "MPI_Allreduce ms", "algbw GB/s",
                      "busbw GB/s"],
                     [[r["bytes"], fmt(r["lockstep_s"] * 1e3, ".3f"), fmt(r["lockstep_algbw_gbps"]),
-                      fmt(r["lockstep_busbw_gbps"]), fmt(r["mpi_s"] * 1e3, ".3f"), fmt(r["mpi_algbw_gbps"]),
-                      fmt(r["mpi_busbw_gbps"])] for r in rows])
+                      fmt(r["lockstep_busbw_gbps"]),
+                      fmt(r["lockstep_plain_s"] * 1e3 if r.get("lockstep_plain_s") is not None else None, ".3f"),
+                      fmt(r["mpi_s"] * 1e3, ".3f"), fmt(r["mpi_algbw_gbps"]), fmt(r["mpi_busbw_gbps"])]
+                     for r in rows])
     cost = results["cost_model"]
     if cost:
         print_table(f"Cost model against this machine, 2 ranks (alpha {cost['alpha_us']:.1f} us, bus bandwidth "
@@ -621,9 +627,13 @@ def write_plots(results, out_dir, frameworks):
             f"{m['title']}: step time", "ms per step", groups,
             ["forward", "backward", "optimizer", "other", "communication"]))
     for n, rows in results["collectives"].items():
-        series = [{"label": "Lockstep", "points": [(r["bytes"], r["lockstep_busbw_gbps"]) for r in rows]},
-                  {"label": "MPI_Allreduce", "points": [(r["bytes"], r["mpi_busbw_gbps"]) for r in rows],
-                   "dashed": True}]
+        series = [{"label": "Lockstep, bucket buffer", "points": [(r["bytes"], r["lockstep_busbw_gbps"]) for r in rows]}]
+        if all(r.get("lockstep_plain_s") for r in rows):
+            series.append({"label": "Lockstep, plain tensor",
+                           "points": [(r["bytes"], r["bytes"] / r["lockstep_plain_s"] / 1e9 * 2 * (int(n) - 1) / int(n))
+                                      for r in rows]})
+        series.append({"label": "MPI_Allreduce", "points": [(r["bytes"], r["mpi_busbw_gbps"]) for r in rows],
+                       "dashed": True})
         save(f"allreduce_{n}ranks.svg", svg_plot.line_chart(f"All-reduce bus bandwidth, float32, {n} ranks",
                                                             "message size", "busbw GB/s", series, log_x=True, y_min=0,
                                                             x_format=svg_plot.format_bytes))
