@@ -92,7 +92,7 @@ class DataParallel {
                const DataParallelOptions& options = {});
 
   Communicator& communicator() { return *communicator_; }
-  GradientBucketer& bucketer() { return bucketer_; }
+  GradientBucketer& bucketer() { return *bucketer_; }
   const DataParallelOptions& options() const { return options_; }
   int rank() const { return communicator_->rank(); }
   int world_size() const { return communicator_->world_size(); }
@@ -114,7 +114,7 @@ class DataParallel {
  private:
   Communicator* const communicator_;  // Not owned.
   const DataParallelOptions options_;
-  GradientBucketer bucketer_;
+  std::unique_ptr<GradientBucketer> bucketer_;
   double all_reduce_sum_seconds_ = 0.0;
 };
 

@@ -271,8 +271,7 @@ std::string Describe(torch::nn::Module& model) {
 DataParallel::DataParallel(Communicator* communicator, torch::nn::Module& model, const std::string& fingerprint,
                            const DataParallelOptions& options)
     : communicator_(communicator),
-      options_(options),
-      bucketer_(communicator, model.parameters(), options) {
+      options_(options) {
   // Every rank learns every rank's model shape and fingerprint, so that all of
   // them fail together, naming the ranks that differ.
   const std::string shapes = Describe(model);
@@ -323,6 +322,9 @@ DataParallel::DataParallel(Communicator* communicator, torch::nn::Module& model,
   for (at::Tensor& p : model.parameters()) works.push_back(communicator_->BroadcastAsync(p, 0, options_.collective));
   for (at::Tensor& b : model.buffers()) works.push_back(communicator_->BroadcastAsync(b, 0, options_.collective));
   for (auto& w : works) w->Wait();
+  // Last: the buckets' buffers are allocated collectively, which needs every rank
+  // to have the same parameters (checked above).
+  bucketer_ = std::make_unique<GradientBucketer>(communicator_, model.parameters(), options_);
 }
 
 void DataParallel::AllReduceSum(at::Tensor& values) {
@@ -342,7 +344,7 @@ void DataParallel::Wait(Work& work) {
 }
 
 double DataParallel::communication_wait_seconds() const {
-  return bucketer_.wait_seconds() + all_reduce_sum_seconds_;
+  return bucketer_->wait_seconds() + all_reduce_sum_seconds_;
 }
 
 }  // namespace lockstep

@@ -4,6 +4,7 @@
 #include <fcntl.h>
 #include <mpi.h>
 #include <sys/mman.h>
+#include <sys/stat.h>
 #include <unistd.h>
 
 #include <algorithm>
@@ -560,10 +561,18 @@ class MpiCommunicator final : public Communicator {
     for (int r = 0; ok && r < world_size_; ++r) {
       if (r == rank_) continue;
       const int peer = shm_open(SegmentName(id, r).c_str(), O_RDWR, 0);
-      void* p = peer >= 0 ? mmap(nullptr, segment.bytes, PROT_READ | PROT_WRITE, MAP_SHARED, peer, 0) : MAP_FAILED;
+      // A peer that asked for another size broke the SPMD rule; mapping past the
+      // end of its segment would fault on first touch.
+      struct stat info {};
+      const bool same_size = peer >= 0 && fstat(peer, &info) == 0 && static_cast<size_t>(info.st_size) == segment.bytes;
+      void* p = same_size ? mmap(nullptr, segment.bytes, PROT_READ | PROT_WRITE, MAP_SHARED, peer, 0) : MAP_FAILED;
+      const int error = errno;
       if (peer >= 0) close(peer);
       if (p == MAP_FAILED) {
-        problem = absl::StrCat("mapping rank ", r, "'s shared memory: ", std::strerror(errno));
+        problem = peer >= 0 && !same_size
+                      ? absl::StrCat("rank ", r, " asked for a buffer of another size (", info.st_size, " bytes, not ",
+                                     segment.bytes, ")")
+                      : absl::StrCat("mapping rank ", r, "'s shared memory: ", std::strerror(error));
         break;
       }
       segment.maps[r] = p;
