@@ -18,8 +18,8 @@
 #include <exception>
 #include <functional>
 #include <map>
-#include <random>
 #include <mutex>
+#include <random>
 #include <string>
 #include <thread>
 #include <vector>
