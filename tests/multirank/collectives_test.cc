@@ -192,6 +192,14 @@ TEST_F(CollectivesTest, CollectiveBuffersFallBackToPlainTensors) {
   EXPECT_TRUE(longs.eq(size_ * (size_ + 1) / 2).all().item<bool>());
   EXPECT_EQ(comm_->AllocateCollectiveBuffer(0, at::TensorOptions().dtype(at::kFloat)).numel(), 0);
 
+  // Ranks that ask for different sizes (an SPMD mistake) get plain tensors, and a
+  // rank that saw the mismatch says so on stderr, instead of mapping past the end
+  // of a peer's segment.
+  at::Tensor uneven = comm_->AllocateCollectiveBuffer(100 + rank_, at::TensorOptions().dtype(at::kFloat));
+  EXPECT_EQ(uneven.numel(), 100 + rank_);
+  EXPECT_THAT(MappingOf(uneven.data_ptr()), ::testing::Not(::testing::HasSubstr("lockstep-")));
+  comm_->Barrier();
+
   MpiOptions no_sharing;
   no_sharing.shared_memory_buffers = false;
   std::unique_ptr<Communicator> plain = MakeMpiCommunicator(no_sharing);

@@ -582,8 +582,10 @@ class MpiCommunicator final : public Communicator {
       segment.Unmap();
       if (!problem.empty() && !warned_shared_) {
         warned_shared_ = true;
-        std::fprintf(stderr, "lockstep: rank %d: no shared-memory collective buffers (%s); all-reduces go through MPI\n",
-                     rank_, problem.c_str());
+        std::fprintf(stderr,
+                     "lockstep: rank %d: a collective buffer of %zu bytes is not in shared memory (%s); its "
+                     "all-reduces go through MPI (said once per communicator)\n",
+                     rank_, segment.bytes, problem.c_str());
       }
     }
   }
