@@ -374,7 +374,9 @@ def main(argv=None):
             # one host); lockstep_plain_s: an ordinary tensor (through MPI).
             row = {"bytes": r["bytes"], "lockstep_s": r["lockstep_s"], "mpi_s": r["mpi_s"],
                    "lockstep_plain_s": r.get("lockstep_plain_s")}
-            for who in ("lockstep", "mpi"):
+            for who in ("lockstep", "lockstep_plain", "mpi"):
+                if row[f"{who}_s"] is None:
+                    continue
                 algbw = r["bytes"] / r[f"{who}_s"] / 1e9
                 row[f"{who}_algbw_gbps"] = algbw
                 row[f"{who}_busbw_gbps"] = algbw * 2 * (n - 1) / n
@@ -628,10 +630,9 @@ def write_plots(results, out_dir, frameworks):
             ["forward", "backward", "optimizer", "other", "communication"]))
     for n, rows in results["collectives"].items():
         series = [{"label": "Lockstep, bucket buffer", "points": [(r["bytes"], r["lockstep_busbw_gbps"]) for r in rows]}]
-        if all(r.get("lockstep_plain_s") for r in rows):
+        if all(r.get("lockstep_plain_busbw_gbps") for r in rows):
             series.append({"label": "Lockstep, plain tensor",
-                           "points": [(r["bytes"], r["bytes"] / r["lockstep_plain_s"] / 1e9 * 2 * (int(n) - 1) / int(n))
-                                      for r in rows]})
+                           "points": [(r["bytes"], r["lockstep_plain_busbw_gbps"]) for r in rows]})
         series.append({"label": "MPI_Allreduce", "points": [(r["bytes"], r["mpi_busbw_gbps"]) for r in rows],
                        "dashed": True})
         save(f"allreduce_{n}ranks.svg", svg_plot.line_chart(f"All-reduce bus bandwidth, float32, {n} ranks",

@@ -182,6 +182,9 @@ struct SharedRegistry {
   std::map<const void*, std::shared_ptr<SharedSegment>> segments ABSL_GUARDED_BY(mu);
 };
 
+// The dtypes that shared buffers hold (those ReduceSliceInPlace is built for).
+bool SharedDtype(at::ScalarType type) { return type == at::kFloat || type == at::kDouble; }
+
 // Sum (or mean) over ranks of elements [lo, hi) of every rank's buffer, written
 // back to every rank's buffer. Ranks are added in rank order, so every element's
 // result is the same on every rank and from run to run. A 2048-element block of
@@ -329,17 +332,13 @@ class MpiCommunicator final : public Communicator {
   }
 
   std::shared_ptr<Work> BarrierAsync(const CollectiveOptions& options) override {
-    return Enqueue("barrier", options, [this](Clock::time_point deadline) {
-      MPI_Request request;
-      LOCKSTEP_MPI_CHECK(MPI_Ibarrier(comm_, &request));
-      Drive(&request, 1, deadline);
-    });
+    return Enqueue("barrier", options, [this](Clock::time_point deadline) { BarrierNow(deadline); });
   }
 
   at::Tensor AllocateCollectiveBuffer(int64_t numel, const at::TensorOptions& options,
                                       const CollectiveOptions& collective) override {
     const at::ScalarType dtype = c10::typeMetaToScalarType(options.dtype());
-    if (!shared_ok_ || numel <= 0 || !options.device().is_cpu() || (dtype != at::kFloat && dtype != at::kDouble)) {
+    if (!shared_ok_ || numel <= 0 || !options.device().is_cpu() || !SharedDtype(dtype)) {
       return at::empty({numel}, options);
     }
     auto segment = std::make_shared<SharedSegment>();
@@ -498,8 +497,7 @@ class MpiCommunicator final : public Communicator {
 
   // The segment of a whole buffer from AllocateCollectiveBuffer, if `tensor` is one.
   std::shared_ptr<SharedSegment> FindSegment(const at::Tensor& tensor) {
-    if (!shared_ok_ || !tensor.is_contiguous() || !tensor.device().is_cpu() ||
-        (tensor.scalar_type() != at::kFloat && tensor.scalar_type() != at::kDouble)) {
+    if (!shared_ok_ || !tensor.is_contiguous() || !tensor.device().is_cpu() || !SharedDtype(tensor.scalar_type())) {
       return nullptr;
     }
     absl::MutexLock lock(&registry_->mu);
