@@ -8,11 +8,13 @@
 //   <directory>/latest                         "step_00001200"
 //
 // A shard is a dictionary of named values in PyTorch's own format (torch.save's
-// zip): "model/<parameter or buffer name>" tensors, "optimizer/<parameter
-// name>/<field>" (momentum_buffer; exp_avg, exp_avg_sq, max_exp_avg_sq, step),
+// zip): "model/<parameter or buffer name>" tensors, the optimizer's state under
+// "optimizer/" as its codec writes it (optimizer_state_codec.h: "<parameter
+// name>/<field>" for SGD, Adam and AdamW; "archive" bytes for other optimizers),
 // "rng/cpu" (libtorch's CPU generator state), "data/epoch",
 // "data/batch_in_epoch", "step", "trainer_state" (the unfinished summary period
-// and the actions' state). Python reads it with torch.load(path).
+// and the actions' state), and a trainer subclass's "custom/tensor/<name>" and
+// "custom/bytes/<name>" (CustomState). Python reads it with torch.load(path).
 //
 // Commit is atomic: every rank writes its shard into <directory>/.tmp_step_N and
 // fsyncs it, then reports its size and CRC32C through the coordination service and
@@ -83,6 +85,7 @@ struct CheckpointOptions {
 struct ShardExtras {
   IteratorPosition data;
   std::string trainer_state;  // BaseTrainer::SaveTrainerState()
+  CustomState custom = {};    // BaseTrainer::SaveCustomState()
 };
 
 // A checkpoint found on disk, checked.
@@ -107,7 +110,9 @@ class CheckpointManager {
   // Saves `state` at state.step, with `metrics` ("task/metric" -> value) in the
   // manifest. Waits for the previous save first. With async, returns once the state
   // is copied; otherwise once the checkpoint is committed. Errors: CheckpointError
-  // (this save, or the previous async one, failed), CoordinationError.
+  // (this save, or the previous async one, failed), CoordinationError,
+  // InvalidArgumentError for an optimizer that cannot be saved (the job layer asks
+  // FindOptimizerStateCodec at start-up, so that this does not wait for a save).
   void Save(const TrainState& state, const ShardExtras& extras, const std::map<std::string, double>& metrics,
             bool emergency = false);
   // Blocks until the save in flight is committed; rethrows its failure.
@@ -131,7 +136,8 @@ class CheckpointManager {
   // Loads this rank's shard of `found` into `state` (and the CPU RNG) and returns
   // the extras. Throws CheckpointError when the world size differs and the
   // partitioning does not allow it, or the config fingerprint differs (naming the
-  // first differing line).
+  // first differing line); InvalidArgumentError when the optimizer cannot be
+  // restored (see FindOptimizerStateCodec).
   ShardExtras Restore(const FoundCheckpoint& found, TrainState& state) const;
 
   struct Job;  // one save's copied state; defined in checkpoint.cc

@@ -13,9 +13,14 @@
 
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
+#include "lockstep/checkpoint.h"
+#include "lockstep/data.h"
+#include "lockstep/job.h"
 #include "lockstep/models.h"
+#include "lockstep/runtime.h"
 #include "lockstep/schedule.h"
 #include "lockstep/train_state.h"
+#include "lockstep/trainer.h"
 #include "proto/config.pb.h"
 
 namespace lockstep {
@@ -52,6 +57,31 @@ std::string ResumeRelevantConfigText(const config::TrainerConfig& config);
 OptimizerOptions ToOptimizerOptions(const config::OptimizerConfig& config);
 LrSchedule ToLrSchedule(const config::TrainerConfig& config);
 ModelOptions ToModelOptions(const config::ModelConfig& config);
+
+// The options of the job layer's parts, from a validated config.
+JobEnvironmentOptions ToJobEnvironmentOptions(const config::TrainerConfig& config);
+JobOptions ToJobOptions(const config::TrainerConfig& config);
+// checkpoint.dir, or <output_dir>/checkpoints; the fingerprint covers
+// ResumeRelevantConfigText.
+CheckpointOptions ToCheckpointOptions(const config::TrainerConfig& config);
+// Step, summary and data-parallel options; the caller sets the communicator and
+// the coordination client. The fingerprint is the whole config.
+TrainerOptions ToTrainerOptions(const config::TrainerConfig& config);
+// terminate_on_nan and early_stopping, as actions of `trainer`.
+void AddConfiguredActions(const config::TrainerConfig& config, BaseTrainer& trainer);
+
+// The train and eval sets of config.data: Fashion-MNIST from data.dir, or the
+// synthetic sets. Throws DataError naming a missing or malformed file.
+struct Datasets {
+  std::shared_ptr<const TensorDataset> train;
+  std::shared_ptr<const TensorDataset> test;
+  std::string description;  // "Fashion-MNIST from <dir>" or "synthetic"
+};
+Datasets LoadDatasets(const config::TrainerConfig& config);
+// This rank's sharding of the train set (global batch, seed, shuffle), and of the
+// eval set (eval batch, one pass, in order).
+ShardingOptions ToTrainSharding(const config::TrainerConfig& config, const Runtime& runtime);
+ShardingOptions ToEvalSharding(const config::TrainerConfig& config, const Runtime& runtime);
 
 }  // namespace lockstep
 

@@ -90,6 +90,12 @@ class BatchIterator {
  public:
   virtual ~BatchIterator() = default;
   virtual std::optional<Batch> Next() = 0;
+
+  // Iterators whose position can go into a checkpoint override both (the job
+  // layer refuses to checkpoint train data that cannot). Default: nullopt, and
+  // RestorePosition throws InvalidArgumentError.
+  virtual std::optional<IteratorPosition> SavePosition() const { return std::nullopt; }
+  virtual void RestorePosition(const IteratorPosition& position);
 };
 
 struct ShardingOptions {
@@ -121,6 +127,8 @@ class ShardedBatchIterator final : public BatchIterator {
   IteratorPosition position() const { return position_; }
   // Throws InvalidArgumentError for a position outside the epoch.
   void Restore(const IteratorPosition& position);
+  std::optional<IteratorPosition> SavePosition() const override { return position_; }
+  void RestorePosition(const IteratorPosition& position) override { Restore(position); }
 
   int64_t batches_per_epoch() const;
 

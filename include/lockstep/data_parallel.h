@@ -118,9 +118,6 @@ class DataParallel {
   double all_reduce_sum_seconds_ = 0.0;
 };
 
-// A 64-bit FNV-1a hash, stable across processes and runs (unlike std::hash).
-uint64_t StableHash(const std::string& text, uint64_t seed = 14695981039346656037ULL);
-
 }  // namespace lockstep
 
 #endif  // LOCKSTEP_DATA_PARALLEL_H_

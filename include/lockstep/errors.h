@@ -1,8 +1,9 @@
 // Typed exceptions of the trainer, data and collective layers.
 //
 // libtorch already reports its own failures as c10::Error, so the layers built on
-// it throw too (STYLE.md rule 9); the coordination layer returns absl::Status and is
-// converted to these at one boundary. Every message names the thing that was wrong.
+// it throw too; the coordination layer, where timeouts and dead peers are normal
+// outcomes, returns absl::Status and is converted to these at one boundary (one
+// error model per layer). Every message names the thing that was wrong.
 #ifndef LOCKSTEP_ERRORS_H_
 #define LOCKSTEP_ERRORS_H_
 

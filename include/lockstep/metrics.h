@@ -42,6 +42,16 @@ struct Summary {
 
 using SummarySink = std::function<void(const Summary&)>;
 
+// Weighted sums of per-example metrics over some batches (an evaluation),
+// and the total weight. Means() adds num_examples = the weight.
+struct MetricSums {
+  std::map<std::string, double> sums;
+  double weight = 0.0;
+
+  void Merge(const MetricSums& other);
+  MetricMap Means() const;
+};
+
 // One line per metric, in the form `Step    100: train loss | 0.41230000`.
 std::vector<std::string> FormatSummary(const Summary& summary);
 

@@ -31,7 +31,6 @@
 
 #include "lockstep/communicator.h"
 #include "lockstep/metrics.h"
-#include "lockstep/step.h"
 
 namespace lockstep {
 

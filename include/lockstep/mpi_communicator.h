@@ -5,8 +5,9 @@
 // on while the calling thread computes: the worker issues non-blocking MPI calls
 // and drives them to completion, with the call's deadline. An all-reduce or
 // broadcast larger than `chunk_bytes` is split into chunks with up to
-// `chunks_in_flight` outstanding at a time: on this machine MPI_Allreduce over
-// shared memory reaches 6.6 GB/s at 1 MiB but 1.3-1.8 GB/s at 64-256 MiB.
+// `chunks_in_flight` outstanding at a time, because MPI's all-reduce over shared
+// memory moves messages of about a megabyte at a far higher rate than very large
+// ones (see benchmarks/README.md for measured rates).
 // bfloat16 and float16 are reduced in float32 (MPI has no such types).
 //
 // MPI is initialised by the first communicator in the process and finalised at
@@ -24,11 +25,12 @@
 // slice r of every rank's buffer and writes the result into all of them, and a
 // second barrier ends the call. Each rank reads and writes the buffer's size once
 // in all (MPI's shared-memory all-reduce copies every byte through its own
-// segments several times): on 2 ranks here, 64 MiB went from 28.6 to 10.4 ms and
-// 1 MiB from 0.30 to 0.12 ms. Sums are taken in rank order, so results are the
-// same on every rank and in every run. If shared memory cannot be had (a small
-// /dev/shm in a container, say), a rank that could not says why on stderr and
-// every rank uses plain buffers through MPI; ranks on several hosts always do.
+// segments several times), so such an all-reduce moves much less memory (see
+// benchmarks/README.md for measured times). Sums are taken in rank order, so
+// results are the same on every rank and in every run. If shared memory cannot be
+// had (a small /dev/shm in a container, say), a rank that could not says why on
+// stderr and every rank uses plain buffers through MPI; ranks on several hosts
+// always do.
 // Shared pages count in the resident size of every process that touches them.
 #ifndef LOCKSTEP_MPI_COMMUNICATOR_H_
 #define LOCKSTEP_MPI_COMMUNICATOR_H_

@@ -18,10 +18,8 @@
 //   those operations are libtorch's and the results are bitwise equal.
 //   Non-contiguous tensors are updated whole, as libtorch does.
 //
-// On the 25M-parameter wide MLP of benchmarks/scaleout.sh with momentum, one
-// core: the optimizer step of its breakdown took 60 ms with torch::optim::SGD and
-// 32 ms with the blocked libtorch operations (50 and 36 ms in a loop over the same
-// tensors alone).
+// Both paths cut the main-memory traffic that bounds a large model's optimizer
+// step; see benchmarks/README.md for measured times.
 #ifndef LOCKSTEP_SGD_H_
 #define LOCKSTEP_SGD_H_
 
@@ -30,9 +28,11 @@
 #include <cstdint>
 #include <vector>
 
+#include "lockstep/train_state.h"
+
 namespace lockstep {
 
-class BlockedSgd : public torch::optim::SGD {
+class BlockedSgd : public torch::optim::SGD, public ReportsStepSquares {
  public:
   // 64 Ki elements: three float32 blocks take 768 KiB, inside a server core's L2.
   static constexpr int64_t kDefaultBlockElements = int64_t{1} << 16;
@@ -44,19 +44,10 @@ class BlockedSgd : public torch::optim::SGD {
 
   torch::Tensor step(LossClosure closure = nullptr) override;
 
-  // What the last step() saw: the sums of squares of the gradients it applied and
-  // of the weights it left, over the `tensors` parameters (`elements` values) that
-  // had a gradient. `complete` is false when some of them were not updated by the
-  // one-pass kernel (not float32, not contiguous, dampening != 0): the sums then
-  // leave those out, and a caller wanting norms computes them itself.
-  struct Squares {
-    double gradients = 0;
-    double weights = 0;
-    int64_t tensors = 0;
-    int64_t elements = 0;
-    bool complete = false;
-  };
-  const Squares& last_step_squares() const { return last_step_squares_; }
+  // The sums of squares of the gradients it applied and of the weights it left
+  // (ReportsStepSquares); `complete` is false when some parameters were not
+  // updated by the one-pass kernel (not float32, not contiguous, dampening != 0).
+  const Squares& last_step_squares() const override { return last_step_squares_; }
 
  private:
   int64_t block_elements_;

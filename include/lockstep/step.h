@@ -89,15 +89,6 @@ struct StepOptions {
 MetricMap RunTrainStep(TrainState& state, const Batch& batch, const ApplyFn& apply, const LossFn& loss,
                        const StepOptions& options);
 
-// Weighted sums of per-example metrics over some batches, and the total weight.
-struct MetricSums {
-  std::map<std::string, double> sums;
-  double weight = 0.0;
-
-  void Merge(const MetricSums& other);
-  MetricMap Means() const;
-};
-
 // Evaluates one batch without gradients, in eval mode, and returns its sums.
 MetricSums RunEvalStep(torch::nn::Module& model, const Batch& batch, const ApplyFn& apply, const MetricFn& metrics);
 

@@ -24,16 +24,12 @@
 
 #include "absl/base/thread_annotations.h"
 #include "absl/synchronization/mutex.h"
+#include "lockstep/hashing.h"
 #include "lockstep/metrics.h"
 
 namespace lockstep {
 
-// CRC32C (Castagnoli) of `size` bytes, and TFRecord's masked form of it. Uses the
-// SSE4.2 crc32 instruction where the CPU has it (~20x the table's speed).
-uint32_t Crc32c(const void* data, size_t size);
-// The CRC32C of (the bytes whose CRC32C is `crc`) followed by these bytes:
-// Crc32cExtend(Crc32c(a), b) == Crc32c(a + b).
-uint32_t Crc32cExtend(uint32_t crc, const void* data, size_t size);
+// TFRecord's masked form of a CRC32C (lockstep/hashing.h), as its framing stores it.
 uint32_t MaskCrc32c(uint32_t crc);
 
 class TensorBoardWriter {

@@ -13,6 +13,7 @@
 
 #include <cstdint>
 #include <functional>
+#include <map>
 #include <memory>
 #include <string>
 #include <vector>
@@ -23,6 +24,36 @@ struct TrainState {
   std::shared_ptr<torch::nn::Module> model;
   std::shared_ptr<torch::optim::Optimizer> optimizer;
   int64_t step = 0;
+};
+
+// State that a BaseTrainer subclass keeps in checkpoints besides the model, the
+// optimizer and the step: named tensors ("custom/tensor/<name>" in a shard) and
+// named bytes ("custom/bytes/<name>", as uint8 tensors). Each rank saves and gets
+// back its own.
+struct CustomState {
+  std::map<std::string, at::Tensor> tensors;
+  std::map<std::string, std::string> bytes;
+};
+
+// Optional interface of an optimizer whose step() also sums the squares of the
+// gradients it applied and of the weights it left (BlockedSgd does, in its one
+// pass over the model). The train step asks for it and, when the sums cover every
+// parameter, takes its gradients_l2norm and weights_l2norm from them instead of
+// two more passes over the model; otherwise it computes the norms itself.
+class ReportsStepSquares {
+ public:
+  // What the last step() saw, over the `tensors` parameters (`elements` values)
+  // that had a gradient. `complete` is false when some of them were left out of
+  // the sums.
+  struct Squares {
+    double gradients = 0;
+    double weights = 0;
+    int64_t tensors = 0;
+    int64_t elements = 0;
+    bool complete = false;
+  };
+  virtual ~ReportsStepSquares() = default;
+  virtual const Squares& last_step_squares() const = 0;
 };
 
 // Builds an optimizer over the given parameters. Users may bring their own.

@@ -98,6 +98,19 @@ class BaseTrainer {
   std::string SaveTrainerState();
   void RestoreTrainerState(const std::string& state);
 
+  // A subclass's own state for checkpoints: what the model, the optimizer and the
+  // step do not hold (a reference model, a generator of its own, counters). The
+  // job layer saves it with every checkpoint and restores it on resume, after the
+  // train state. Default: nothing. RestoreCustomState may throw
+  // InvalidArgumentError for state it cannot take (the job stops with it).
+  virtual CustomState SaveCustomState() { return {}; }
+  virtual void RestoreCustomState(const CustomState& state) { (void)state; }
+
+  // Called by BeforeUpdate(), right before a step changes the parameters or the
+  // optimizer state: an asynchronous checkpoint copying them waits there
+  // (CheckpointManager::AwaitSnapshot; the job layer sets it).
+  void set_before_update(std::function<void()> hook) { before_update_ = std::move(hook); }
+
   TrainState& state() { return state_; }
   const Runtime& runtime() const { return runtime_; }
 
@@ -109,6 +122,12 @@ class BaseTrainer {
   virtual MetricMap TrainStep(const Batch& batch) = 0;
   // Metric sums of one eval batch of this rank's shard; combined over ranks.
   virtual MetricSums EvalStep(const Batch& batch) = 0;
+
+  // A TrainStep that updates parameters or optimizer state itself (not through
+  // Trainer's step) calls this right before it does.
+  void BeforeUpdate() {
+    if (before_update_) before_update_();
+  }
 
   Communicator* communicator() const { return communicator_; }
   const CollectiveOptions& collective_options() const { return collective_; }
@@ -135,6 +154,7 @@ class BaseTrainer {
   HaltDecision halt_;
   std::function<bool(int64_t)> stop_check_;
   bool stopped_by_check_ = false;
+  std::function<void()> before_update_;
 };
 
 struct TrainerOptions {

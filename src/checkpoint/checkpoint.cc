@@ -10,9 +10,6 @@
 #include <torch/csrc/jit/serialization/pickle.h>
 #include <torch/csrc/jit/serialization/pickler.h>
 #include <torch/nn/module.h>
-#include <torch/optim/adam.h>
-#include <torch/optim/adamw.h>
-#include <torch/optim/sgd.h>
 #include <unistd.h>
 
 #include <algorithm>
@@ -32,7 +29,8 @@
 #include "absl/strings/str_format.h"
 #include "absl/strings/str_split.h"
 #include "lockstep/coordination.h"
-#include "lockstep/summary_writers.h"
+#include "lockstep/hashing.h"
+#include "lockstep/optimizer_state_codec.h"
 #include "proto/checkpoint.pb.h"
 
 namespace lockstep {
@@ -114,26 +112,6 @@ std::pair<size_t, uint32_t> WriteShard(const std::string& path, const c10::impl:
   return {size, crc};
 }
 
-// Adam's and AdamW's per-parameter states hold the same fields (distinct types).
-template <typename AdamState, typename Values, typename Put>
-void StageAdamState(const AdamState& s, const std::string& prefix, Values& values, const Put& put) {
-  values.insert(prefix + "step", s.step());
-  put(prefix + "exp_avg", s.exp_avg());
-  put(prefix + "exp_avg_sq", s.exp_avg_sq());
-  put(prefix + "max_exp_avg_sq", s.max_exp_avg_sq());
-}
-
-template <typename AdamState>
-std::unique_ptr<AdamState> MakeAdamState(int64_t step, const at::Tensor& exp_avg, const at::Tensor& exp_avg_sq,
-                                         const at::Tensor& max_exp_avg_sq) {
-  auto s = std::make_unique<AdamState>();
-  s->step(step);
-  s->exp_avg(exp_avg);
-  s->exp_avg_sq(exp_avg_sq);
-  s->max_exp_avg_sq(max_exp_avg_sq);
-  return s;
-}
-
 // Makes a rename or a new entry in `dir` durable.
 void FsyncDirectory(const std::string& dir) {
   const int fd = ::open(dir.c_str(), O_RDONLY | O_DIRECTORY | O_CLOEXEC);
@@ -204,11 +182,36 @@ std::string FirstDifference(const std::string& saved, const std::string& now) {
 }
 
 // Parameter name by TensorImpl, to name optimizer state.
-std::unordered_map<const void*, std::string> ParameterNames(const torch::nn::Module& module) {
+// The optimizer's parameters in param-group order, named as in the model.
+NamedParameters OptimizerParameters(const TrainState& state) {
   std::unordered_map<const void*, std::string> names;
-  for (const auto& item : module.named_parameters()) names[item.value().unsafeGetTensorImpl()] = item.key();
-  return names;
+  for (const auto& item : state.model->named_parameters()) names[item.value().unsafeGetTensorImpl()] = item.key();
+  NamedParameters out;
+  for (const auto& group : state.optimizer->param_groups()) {
+    for (const at::Tensor& p : group.params()) {
+      auto name = names.find(p.unsafeGetTensorImpl());
+      if (name == names.end()) throw CheckpointError("the optimizer holds a parameter the model does not");
+      out.emplace_back(name->second, p);
+    }
+  }
+  return out;
 }
+
+at::Tensor BytesTensor(const std::string& bytes) {
+  at::Tensor t = at::empty({static_cast<int64_t>(bytes.size())}, at::kByte);
+  if (!bytes.empty()) std::memcpy(t.data_ptr(), bytes.data(), bytes.size());
+  return t;
+}
+
+std::string TensorBytes(const at::Tensor& t) {
+  const at::Tensor bytes = t.to(at::kCPU).contiguous();
+  if (bytes.scalar_type() != at::kByte || bytes.dim() != 1) throw CheckpointError("bytes entry is not a uint8 vector");
+  return std::string(static_cast<const char*>(bytes.data_ptr()), static_cast<size_t>(bytes.numel()));
+}
+
+constexpr char kOptimizerPrefix[] = "optimizer/";
+constexpr char kCustomTensorPrefix[] = "custom/tensor/";
+constexpr char kCustomBytesPrefix[] = "custom/bytes/";
 
 }  // namespace
 
@@ -288,25 +291,21 @@ void CheckpointManager::Save(const TrainState& state, const ShardExtras& extras,
   for (const auto& item : state.model->named_parameters()) put("model/" + item.key(), item.value());
   // Buffers change in forward (batch-norm statistics): copied now.
   for (const auto& item : state.model->named_buffers()) put("model/" + item.key(), item.value(), false);
-  const auto names = ParameterNames(*state.model);
-  for (const auto& group : state.optimizer->param_groups()) {
-    for (const at::Tensor& p : group.params()) {
-      auto it = state.optimizer->state().find(OptimizerStateKey(p));
-      if (it == state.optimizer->state().end()) continue;  // no step taken yet
-      auto name = names.find(p.unsafeGetTensorImpl());
-      if (name == names.end()) throw CheckpointError("the optimizer holds a parameter the model does not");
-      const std::string prefix = "optimizer/" + name->second + "/";
-      if (auto* sgd = dynamic_cast<torch::optim::SGDParamState*>(it->second.get())) {
-        put(prefix + "momentum_buffer", sgd->momentum_buffer());
-      } else if (auto* adam = dynamic_cast<torch::optim::AdamParamState*>(it->second.get())) {
-        StageAdamState(*adam, prefix, job->values, put);
-      } else if (auto* adamw = dynamic_cast<torch::optim::AdamWParamState*>(it->second.get())) {
-        StageAdamState(*adamw, prefix, job->values, put);
-      } else {
-        throw CheckpointError("checkpoints support SGD, Adam and AdamW optimizer state");
-      }
+  // The optimizer's state, through its codec.
+  struct Writer final : OptimizerStateWriter {
+    decltype(put)& put_tensor;
+    c10::impl::GenericDict& values;
+    Writer(decltype(put)& p, c10::impl::GenericDict& v) : put_tensor(p), values(v) {}
+    void PutTensor(const std::string& key, const at::Tensor& value) override { put_tensor(kOptimizerPrefix + key, value); }
+    void PutInt(const std::string& key, int64_t value) override { values.insert(kOptimizerPrefix + key, value); }
+    void PutBytes(const std::string& key, const std::string& value) override {
+      values.insert(kOptimizerPrefix + key, BytesTensor(value));
     }
-  }
+  } writer(put, job->values);
+  FindOptimizerStateCodec(*state.optimizer)->Save(*state.optimizer, OptimizerParameters(state), writer);
+  // A trainer subclass's own state; copied now, like the buffers.
+  for (const auto& [name, tensor] : extras.custom.tensors) put(kCustomTensorPrefix + name, tensor, false);
+  for (const auto& [name, bytes] : extras.custom.bytes) job->values.insert(kCustomBytesPrefix + name, BytesTensor(bytes));
   {
     at::Generator generator = at::detail::getDefaultCPUGenerator();
     std::lock_guard<std::mutex> lock(generator.mutex());
@@ -565,43 +564,23 @@ ShardExtras CheckpointManager::Restore(const FoundCheckpoint& found, TrainState&
       item.value().copy_(tensor("model/" + item.key(), item.value()));
     }
   }
-  const auto names = ParameterNames(*state.model);
-  auto& optimizer_state = state.optimizer->state();
-  optimizer_state.clear();
-  auto optional_tensor = [&](const std::string& key, const at::Tensor& param) -> at::Tensor {
-    auto it = values.find(key);
-    if (it == values.end()) return at::Tensor();
-    return tensor(key, param).to(param.device());
-  };
-  for (const auto& group : state.optimizer->param_groups()) {
-    for (const at::Tensor& p : group.params()) {
-      const std::string prefix = "optimizer/" + names.at(p.unsafeGetTensorImpl()) + "/";
-      const std::string key = OptimizerStateKey(p);
-      if (dynamic_cast<torch::optim::SGD*>(state.optimizer.get())) {
-        at::Tensor momentum = optional_tensor(prefix + "momentum_buffer", p);
-        if (!momentum.defined()) continue;
-        auto s = std::make_unique<torch::optim::SGDParamState>();
-        s->momentum_buffer(momentum);
-        optimizer_state[key] = std::move(s);
-      } else if (dynamic_cast<torch::optim::Adam*>(state.optimizer.get()) ||
-                 dynamic_cast<torch::optim::AdamW*>(state.optimizer.get())) {
-        if (values.find(prefix + "step") == values.end()) continue;
-        const int64_t step = get(prefix + "step").toInt();
-        at::Tensor exp_avg = optional_tensor(prefix + "exp_avg", p);
-        at::Tensor exp_avg_sq = optional_tensor(prefix + "exp_avg_sq", p);
-        at::Tensor max_exp_avg_sq = optional_tensor(prefix + "max_exp_avg_sq", p);
-        if (dynamic_cast<torch::optim::Adam*>(state.optimizer.get())) {
-          optimizer_state[key] =
-              MakeAdamState<torch::optim::AdamParamState>(step, exp_avg, exp_avg_sq, max_exp_avg_sq);
-        } else {
-          optimizer_state[key] =
-              MakeAdamState<torch::optim::AdamWParamState>(step, exp_avg, exp_avg_sq, max_exp_avg_sq);
-        }
-      } else {
-        throw CheckpointError("checkpoints support SGD, Adam and AdamW optimizer state");
-      }
+  struct Reader final : OptimizerStateReader {
+    const c10::impl::GenericDict& values;
+    const decltype(get)& get_value;
+    const decltype(tensor)& get_tensor;
+    Reader(const c10::impl::GenericDict& v, const decltype(get)& g, const decltype(tensor)& t)
+        : values(v), get_value(g), get_tensor(t) {}
+    bool Has(const std::string& key) const override { return values.find(kOptimizerPrefix + key) != values.end(); }
+    at::Tensor Tensor(const std::string& key, const at::Tensor& like) const override {
+      at::Tensor t = get_tensor(kOptimizerPrefix + key, like);
+      return like.defined() ? t.to(like.device()) : t;
     }
-  }
+    int64_t Int(const std::string& key) const override { return get_value(kOptimizerPrefix + key).toInt(); }
+    std::string Bytes(const std::string& key) const override {
+      return TensorBytes(get_value(kOptimizerPrefix + key).toTensor());
+    }
+  } reader(values, get, tensor);
+  FindOptimizerStateCodec(*state.optimizer)->Restore(*state.optimizer, OptimizerParameters(state), reader);
   {
     at::Generator generator = at::detail::getDefaultCPUGenerator();
     std::lock_guard<std::mutex> lock(generator.mutex());
@@ -612,6 +591,14 @@ ShardExtras CheckpointManager::Restore(const FoundCheckpoint& found, TrainState&
   extras.data.epoch = get("data/epoch").toInt();
   extras.data.batch_in_epoch = get("data/batch_in_epoch").toInt();
   extras.trainer_state = get("trainer_state").toStringRef();
+  for (const auto& item : values) {
+    const std::string& key = item.key().toStringRef();
+    if (key.rfind(kCustomTensorPrefix, 0) == 0) {
+      extras.custom.tensors[key.substr(sizeof(kCustomTensorPrefix) - 1)] = item.value().toTensor();
+    } else if (key.rfind(kCustomBytesPrefix, 0) == 0) {
+      extras.custom.bytes[key.substr(sizeof(kCustomBytesPrefix) - 1)] = TensorBytes(item.value().toTensor());
+    }
+  }
   return extras;
 }
 

@@ -8,6 +8,11 @@
 
 namespace lockstep {
 
+void BatchIterator::RestorePosition(const IteratorPosition& position) {
+  (void)position;
+  throw InvalidArgumentError("this batch iterator cannot restore a saved position");
+}
+
 ShardedBatchIterator::ShardedBatchIterator(std::shared_ptr<const TensorDataset> dataset,
                                            ShardingOptions options)
     : dataset_(std::move(dataset)), options_(options) {

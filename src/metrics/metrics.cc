@@ -180,4 +180,16 @@ void MetricsAccumulator::RestoreState(const std::string& text) {
   entries_ = std::move(entries);
 }
 
+void MetricSums::Merge(const MetricSums& other) {
+  for (const auto& [name, sum] : other.sums) sums[name] += sum;
+  weight += other.weight;
+}
+
+MetricMap MetricSums::Means() const {
+  MetricMap means;
+  for (const auto& [name, sum] : sums) means[name] = weight > 0 ? sum / weight : 0.0;
+  means[kNumExamples] = weight;
+  return means;
+}
+
 }  // namespace lockstep

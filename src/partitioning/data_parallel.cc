@@ -16,18 +16,11 @@
 #include "absl/strings/str_join.h"
 #include "absl/strings/str_split.h"
 #include "absl/time/time.h"
+#include "lockstep/agreement.h"
 #include "lockstep/coordination.h"
+#include "lockstep/hashing.h"
 
 namespace lockstep {
-
-uint64_t StableHash(const std::string& text, uint64_t seed) {
-  uint64_t hash = seed;
-  for (const unsigned char c : text) {
-    hash ^= c;
-    hash *= 1099511628211ULL;
-  }
-  return hash;
-}
 
 struct GradientBucketer::State {
   struct Bucket {
@@ -284,18 +277,17 @@ DataParallel::DataParallel(Communicator* communicator, torch::nn::Module& model,
   if (options_.coordination != nullptr) {
     // Through the key-value store: each rank publishes its four numbers, then
     // reads everyone's.
-    CoordinationClient& kv = *options_.coordination;
-    const std::string prefix = absl::StrCat("lockstep/startup/", options_.name, "/");
-    ThrowIfError(kv.Set(absl::StrCat(prefix, rank()), absl::StrJoin(mine, " ")), "data-parallel start-up check");
-    const absl::Duration timeout = absl::FromChrono(options_.collective.timeout);
+    absl::StatusOr<std::vector<std::string>> published =
+        PublishAndGather(*options_.coordination, absl::StrCat("lockstep/startup/", options_.name, "/"),
+                         absl::StrJoin(mine, " "), absl::FromChrono(options_.collective.timeout));
+    ThrowIfError(published.status(), "data-parallel start-up check");
     for (int r = 0; r < world_size(); ++r) {
-      absl::StatusOr<std::string> theirs = kv.Get(absl::StrCat(prefix, r), timeout);
-      ThrowIfError(theirs.status(), absl::StrCat("data-parallel start-up check, waiting for rank ", r));
-      std::vector<std::string> fields = absl::StrSplit(*theirs, ' ');
+      const std::string& theirs = (*published)[r];
+      std::vector<std::string> fields = absl::StrSplit(theirs, ' ');
       for (int i = 0; i < 4; ++i) {
         int64_t value = 0;
         if (fields.size() != 4 || !absl::SimpleAtoi(fields[i], &value)) {
-          throw CoordinationError(absl::StrCat("data-parallel start-up check: rank ", r, " published '", *theirs, "'"));
+          throw CoordinationError(absl::StrCat("data-parallel start-up check: rank ", r, " published '", theirs, "'"));
         }
         all.data_ptr<int64_t>()[4 * r + i] = value;
       }

@@ -9,7 +9,6 @@
 
 #include "lockstep/data_parallel.h"
 #include "lockstep/errors.h"
-#include "lockstep/sgd.h"
 
 namespace lockstep {
 namespace {
@@ -149,11 +148,12 @@ MetricMap RunTrainStep(TrainState& state, const Batch& host_batch, const ApplyFn
   if (data_parallel != nullptr) data_parallel->bucketer().Finish();
 
   // The gradient norm is the clipping's when clipping; else, like the weight norm
-  // after the update, it comes from BlockedSgd's one pass over the model when that
+  // after the update, it comes from the optimizer's own pass (ReportsStepSquares) when that
   // covered every parameter, and from two more passes otherwise.
   double grad_norm = 0.0;
   const bool clipped = options.max_grad_norm > 0;
-  const auto* sgd = dynamic_cast<const BlockedSgd*>(&optimizer);
+  // An optimizer that sums squares in its own step saves two passes for the norms.
+  const auto* sgd = dynamic_cast<const ReportsStepSquares*>(&optimizer);
   if (clipped) {
     grad_norm = torch::nn::utils::clip_grad_norm_(params, options.max_grad_norm);
   } else if (sgd == nullptr) {
@@ -174,7 +174,7 @@ MetricMap RunTrainStep(TrainState& state, const Batch& host_batch, const ApplyFn
     one_pass_norms = elements == sgd->last_step_squares().elements;
   }
   if (!clipped && sgd != nullptr) {
-    // BlockedSgd leaves the gradients as they were: after its step is as good as before.
+    // The optimizer's step leaves the gradients as they were: after it is as good as before.
     grad_norm = one_pass_norms ? std::sqrt(sgd->last_step_squares().gradients) : GlobalL2Norm(Gradients(params));
   }
 
@@ -200,18 +200,6 @@ MetricMap RunTrainStep(TrainState& state, const Batch& host_batch, const ApplyFn
     }
   }
   return metrics;
-}
-
-void MetricSums::Merge(const MetricSums& other) {
-  for (const auto& [name, sum] : other.sums) sums[name] += sum;
-  weight += other.weight;
-}
-
-MetricMap MetricSums::Means() const {
-  MetricMap means;
-  for (const auto& [name, sum] : sums) means[name] = weight > 0 ? sum / weight : 0.0;
-  means[kNumExamples] = weight;
-  return means;
 }
 
 MetricSums RunEvalStep(torch::nn::Module& model, const Batch& host_batch, const ApplyFn& apply,

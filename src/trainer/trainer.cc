@@ -10,6 +10,7 @@
 #include <cstring>
 #include <vector>
 
+#include "lockstep/agreement.h"
 #include "lockstep/errors.h"
 #include "lockstep/summary_writers.h"
 
@@ -83,21 +84,14 @@ void BaseTrainer::Emit(const Summary& summary) {
 
 HaltDecision BaseTrainer::AgreeOnHalt(const HaltDecision& rank0_decision) {
   if (communicator_ == nullptr || communicator_->world_size() == 1) return rank0_decision;
-  // [halt, failure, reason length] then the reason's bytes, from rank 0.
-  at::Tensor head = at::tensor({static_cast<int64_t>(rank0_decision.halt), static_cast<int64_t>(rank0_decision.failure),
-                                static_cast<int64_t>(rank0_decision.reason.size())},
+  // [halt, failure] then the reason, from rank 0.
+  at::Tensor head = at::tensor({static_cast<int64_t>(rank0_decision.halt), static_cast<int64_t>(rank0_decision.failure)},
                                at::kLong);
   communicator_->Broadcast(head, 0, collective_);
   HaltDecision decision;
   decision.halt = head[0].item<int64_t>() != 0;
   decision.failure = head[1].item<int64_t>() != 0;
-  const int64_t length = head[2].item<int64_t>();
-  if (length > 0) {
-    at::Tensor text = at::zeros({length}, at::kByte);
-    if (communicator_->rank() == 0) std::memcpy(text.data_ptr(), rank0_decision.reason.data(), length);
-    communicator_->Broadcast(text, 0, collective_);
-    decision.reason.assign(static_cast<const char*>(text.data_ptr()), length);
-  }
+  if (decision.halt) decision.reason = BroadcastString(*communicator_, rank0_decision.reason, 0, collective_);
   return decision;
 }
 
@@ -173,6 +167,10 @@ Trainer::Trainer(TrainState& state, ApplyFn apply, LossFn loss, TrainerOptions o
   if (options_.step.max_grad_norm < 0) throw InvalidArgumentError("Trainer: max_grad_norm must be >= 0");
   if (options_.step.schedule) options_.step.schedule->Validate();
   set_summary_every_steps(options_.summary_every_steps);
+  options_.step.before_update = [this, caller = std::move(options_.step.before_update)] {
+    if (caller) caller();
+    BeforeUpdate();
+  };
   if (options_.communicator != nullptr && options_.communicator->world_size() > 1) {
     data_parallel_ = std::make_unique<DataParallel>(options_.communicator, *state.model, options_.fingerprint,
                                                     options_.data_parallel);

@@ -13,8 +13,9 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
 #include "absl/strings/str_split.h"
-#include "lockstep/data_parallel.h"
+#include "lockstep/agreement.h"
 #include "lockstep/errors.h"
+#include "lockstep/hashing.h"
 #include "lockstep/summary_writers.h"
 
 namespace lockstep {
@@ -29,28 +30,9 @@ std::string Signature(const Entries& entries) {
   return out;
 }
 
-// Every rank's `text`, in rank order.
-std::vector<std::string> AllGatherText(Communicator& comm, const std::string& text, const CollectiveOptions& options) {
-  const int world = comm.world_size();
-  at::Tensor length = at::tensor({static_cast<int64_t>(text.size())}, at::kLong);
-  at::Tensor lengths = at::zeros({world}, at::kLong);
-  comm.AllGather(lengths, length, options);
-  const int64_t longest = lengths.max().item<int64_t>();
-  at::Tensor mine = at::zeros({std::max<int64_t>(longest, 1)}, at::kByte);
-  std::memcpy(mine.data_ptr(), text.data(), text.size());
-  at::Tensor all = at::zeros({world * mine.size(0)}, at::kByte);
-  comm.AllGather(all, mine, options);
-  std::vector<std::string> out;
-  for (int r = 0; r < world; ++r) {
-    const char* at = static_cast<const char*>(all.data_ptr()) + r * mine.size(0);
-    out.emplace_back(at, static_cast<size_t>(lengths[r].item<int64_t>()));
-  }
-  return out;
-}
-
 // Adds, with no value, the metrics that other ranks have and this one lacks.
 void AddMissingNames(Communicator& comm, const CollectiveOptions& options, Entries& entries) {
-  for (const std::string& text : AllGatherText(comm, Signature(entries), options)) {
+  for (const std::string& text : AllGatherStrings(comm, Signature(entries), options)) {
     for (absl::string_view line : absl::StrSplit(text, '\n', absl::SkipEmpty())) {
       std::vector<std::string> fields = absl::StrSplit(line, '\t');
       const auto reduction = static_cast<MetricReduction>(std::stoi(fields.at(1)));

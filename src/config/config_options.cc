@@ -1,0 +1,122 @@
+// Config -> the options of the job layer, the trainer, checkpoints and data.
+#include <filesystem>
+#include <memory>
+
+#include "lockstep/actions.h"
+#include "lockstep/config.h"
+#include "lockstep/hashing.h"
+
+namespace lockstep {
+
+JobEnvironmentOptions ToJobEnvironmentOptions(const config::TrainerConfig& cfg) {
+  JobEnvironmentOptions o;
+  o.device = cfg.device();
+  o.backend = cfg.backend();
+  o.collective_timeout = absl::Seconds(cfg.collective_timeout_seconds());
+  const config::CoordinationConfig& c = cfg.coordination();
+  o.coordination.mode = c.mode();
+  o.coordination.address = c.address();
+  o.coordination.port = c.port();
+  o.coordination.standalone = c.standalone();
+  o.coordination.bind_all = c.bind_all();
+  o.coordination.job_id = c.job_id();
+  o.coordination.token_file = c.token_file();
+  o.coordination.heartbeat_timeout = absl::Seconds(c.heartbeat_timeout_seconds());
+  o.coordination.register_timeout = absl::Seconds(c.register_timeout_seconds());
+  o.coordination.tls.cert_file = c.tls_cert_file();
+  o.coordination.tls.key_file = c.tls_key_file();
+  o.coordination.tls.ca_file = c.tls_ca_file();
+  return o;
+}
+
+JobOptions ToJobOptions(const config::TrainerConfig& cfg) {
+  JobOptions o;
+  o.num_train_steps = cfg.num_train_steps();
+  o.eval_every_steps = cfg.eval_every_steps();
+  o.final_checkpoint = cfg.checkpoint().final();
+  return o;
+}
+
+CheckpointOptions ToCheckpointOptions(const config::TrainerConfig& cfg) {
+  const config::CheckpointConfig& c = cfg.checkpoint();
+  CheckpointOptions o;
+  o.directory = c.dir().empty() ? (std::filesystem::path(cfg.output_dir()) / "checkpoints").string() : c.dir();
+  o.every_steps = c.every_steps();
+  o.keep_last = c.keep_last();
+  o.keep_best = c.keep_best();
+  o.best_metric = c.best_metric();
+  o.best_max = c.best_mode() == "max";
+  o.async = c.async();
+  o.overlap_copy = c.overlap_copy();  // the update awaits the copy (BaseTrainer::BeforeUpdate)
+  o.config_text = ResumeRelevantConfigText(cfg);
+  o.config_fingerprint = StableHash(o.config_text);
+  o.barrier_timeout = absl::Seconds(cfg.collective_timeout_seconds());
+  return o;
+}
+
+TrainerOptions ToTrainerOptions(const config::TrainerConfig& cfg) {
+  TrainerOptions o;
+  o.step.num_microbatches = cfg.num_microbatches();
+  o.step.max_grad_norm = cfg.max_grad_norm();
+  o.step.schedule = ToLrSchedule(cfg);
+  o.step.weight_metrics = cfg.weight_metrics();
+  o.summary_every_steps = cfg.summary_every_steps();
+  o.data_parallel.bucket_bytes = static_cast<size_t>(cfg.bucket_mb() * (1 << 20));
+  o.data_parallel.collective.timeout =
+      std::chrono::milliseconds(static_cast<int64_t>(cfg.collective_timeout_seconds() * 1000));
+  o.fingerprint = ConfigToText(cfg);
+  return o;
+}
+
+void AddConfiguredActions(const config::TrainerConfig& cfg, BaseTrainer& trainer) {
+  if (cfg.terminate_on_nan()) trainer.AddAction(std::make_unique<TerminateOnNanAction>("train", kLoss));
+  if (cfg.early_stopping().enabled()) {
+    const config::EarlyStoppingConfig& e = cfg.early_stopping();
+    trainer.AddAction(std::make_unique<EarlyStoppingAction>(
+        e.task(), e.metric(), e.mode() == "max" ? EarlyStoppingAction::Mode::kMax : EarlyStoppingAction::Mode::kMin,
+        e.patience(), e.atol(), e.rtol()));
+  }
+}
+
+Datasets LoadDatasets(const config::TrainerConfig& cfg) {
+  const config::DataConfig& d = cfg.data();
+  Datasets data;
+  if (d.source() == config::DataConfig::SYNTHETIC) {
+    SyntheticOptions train;
+    train.num_examples = d.synthetic_train_examples();
+    train.num_classes = cfg.model().num_classes();
+    train.seed = cfg.seed();
+    train.teacher_seed = cfg.seed();
+    SyntheticOptions test = train;
+    test.num_examples = d.synthetic_eval_examples();
+    test.seed = cfg.seed() + 1;
+    data.train = std::make_shared<const TensorDataset>(MakeSyntheticDataset(train));
+    data.test = std::make_shared<const TensorDataset>(MakeSyntheticDataset(test));
+    data.description = "synthetic";
+  } else {
+    data.train = std::make_shared<const TensorDataset>(LoadFashionMnist(d.dir(), Split::kTrain));
+    data.test = std::make_shared<const TensorDataset>(LoadFashionMnist(d.dir(), Split::kTest));
+    data.description = "Fashion-MNIST from " + d.dir();
+  }
+  return data;
+}
+
+ShardingOptions ToTrainSharding(const config::TrainerConfig& cfg, const Runtime& runtime) {
+  ShardingOptions o;
+  o.global_batch_size = cfg.data().global_batch_size();
+  o.rank = runtime.rank;
+  o.world_size = runtime.world_size;
+  o.seed = cfg.seed();
+  o.shuffle = cfg.data().shuffle();
+  return o;
+}
+
+ShardingOptions ToEvalSharding(const config::TrainerConfig& cfg, const Runtime& runtime) {
+  ShardingOptions o = ToTrainSharding(cfg, runtime);
+  o.global_batch_size = cfg.data().eval_batch_size();
+  o.shuffle = false;
+  o.num_epochs = 1;
+  return o;
+}
+
+}  // namespace lockstep

@@ -1,0 +1,599 @@
+#include "lockstep/job.h"
+
+#include <signal.h>
+#include <torch/cuda.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <chrono>
+#include <cinttypes>
+#include <cstdio>
+#include <cstdlib>
+#include <filesystem>
+#include <thread>
+
+#include "absl/strings/str_cat.h"
+#include "absl/time/clock.h"
+#include "lockstep/agreement.h"
+#include "lockstep/checkpoint.h"
+#include "lockstep/data.h"
+#include "lockstep/nccl_communicator.h"
+#include "lockstep/optimizer_state_codec.h"
+#include "lockstep/trainer.h"
+#if LOCKSTEP_HAVE_MPI
+#include "lockstep/mpi_communicator.h"
+#endif
+
+namespace lockstep {
+
+int ExitCodeFor(StopReason reason) {
+  switch (reason) {
+    case StopReason::kDone:
+    case StopReason::kHalted:
+      return 0;
+    case StopReason::kDiverged:
+      return kExitDiverged;
+    case StopReason::kPeerFailed:
+      return kExitPeerFailed;
+    case StopReason::kPreempted:
+      return kExitPreempted;
+  }
+  return kExitFailure;
+}
+
+const char* StopReasonName(StopReason reason) {
+  switch (reason) {
+    case StopReason::kDone:
+      return "done";
+    case StopReason::kHalted:
+      return "halted";
+    case StopReason::kDiverged:
+      return "diverged";
+    case StopReason::kPeerFailed:
+      return "peer failed";
+    case StopReason::kPreempted:
+      return "preempted";
+  }
+  return "unknown";
+}
+
+// ---------------------------------------------------------------------------
+// PreemptionSyncPoint
+
+namespace {
+
+// The object that SIGTERM and SIGUSR1 are routed to; a lock-free atomic, so the
+// handler's load is async-signal-safe.
+std::atomic<PreemptionSyncPoint*> signal_target{nullptr};
+static_assert(std::atomic<PreemptionSyncPoint*>::is_always_lock_free);
+static_assert(std::atomic<int>::is_always_lock_free);
+struct sigaction previous_sigterm {};
+struct sigaction previous_sigusr1 {};
+
+const char* SignalName(int signal) {
+  return signal == SIGUSR1 ? "SIGUSR1" : signal == SIGTERM ? "SIGTERM" : "a preemption signal";
+}
+
+}  // namespace
+
+void DeliverPreemptionSignal(int signal) {
+  if (PreemptionSyncPoint* target = signal_target.load()) target->signal_.store(signal);
+}
+
+namespace {
+extern "C" void OnPreemptionSignal(int signal) { DeliverPreemptionSignal(signal); }
+}  // namespace
+
+PreemptionSyncPoint::PreemptionSyncPoint(CoordinationClient* client, std::string key_prefix)
+    : client_(client), key_prefix_(std::move(key_prefix)) {}
+
+PreemptionSyncPoint::~PreemptionSyncPoint() { UninstallSignalHandlers(); }
+
+void PreemptionSyncPoint::InstallSignalHandlers() {
+  PreemptionSyncPoint* expected = nullptr;
+  if (!signal_target.compare_exchange_strong(expected, this)) {
+    if (expected == this) return;
+    throw Error("another PreemptionSyncPoint already receives SIGTERM and SIGUSR1 in this process");
+  }
+  struct sigaction action {};
+  action.sa_handler = OnPreemptionSignal;
+  sigemptyset(&action.sa_mask);
+  action.sa_flags = SA_RESTART;
+  sigaction(SIGTERM, &action, &previous_sigterm);
+  sigaction(SIGUSR1, &action, &previous_sigusr1);
+}
+
+void PreemptionSyncPoint::UninstallSignalHandlers() {
+  PreemptionSyncPoint* expected = this;
+  if (!signal_target.compare_exchange_strong(expected, nullptr)) return;
+  sigaction(SIGTERM, &previous_sigterm, nullptr);
+  sigaction(SIGUSR1, &previous_sigusr1, nullptr);
+}
+
+void PreemptionSyncPoint::Notify(int signal) { signal_.store(signal == 0 ? SIGTERM : signal); }
+
+void PreemptionSyncPoint::NotifyPeer() { peer_notice_.store(true); }
+
+bool PreemptionSyncPoint::ShouldStop(int64_t step) {
+  if (agreed_) {
+    if (step > *agreed_) {
+      throw Error(absl::StrCat("preemption: this rank is at step ", step, ", past the agreed step ", *agreed_));
+    }
+    return step == *agreed_;
+  }
+  if (!notified()) return false;
+  if (client_ == nullptr) {  // alone: stop right here
+    proposed_ = agreed_ = step;
+    return true;
+  }
+  const int signal = signal_.load();
+  if (signal != 0 && !reported_) {
+    reported_ = true;
+    ThrowIfError(client_->ReportPreemption(SignalName(signal)), "reporting the preemption");
+  }
+  if (!proposed_) {
+    proposed_ = step + 1;
+    ThrowIfError(client_->Set(absl::StrCat(key_prefix_, client_->rank()), std::to_string(*proposed_)),
+                 "proposing the preemption step");
+  }
+  absl::StatusOr<std::optional<std::vector<std::string>>> proposals = TryGatherPublished(*client_, key_prefix_);
+  ThrowIfError(proposals.status(), "agreeing on the preemption step");
+  if (!*proposals) return false;
+  absl::StatusOr<int64_t> largest = MaxOfPublished(**proposals);
+  ThrowIfError(largest.status(), "agreeing on the preemption step");
+  agreed_ = *largest;
+  if (step > *agreed_) {
+    throw Error(absl::StrCat("preemption: this rank is at step ", step, ", past the agreed step ", *agreed_));
+  }
+  return step == *agreed_;
+}
+
+// ---------------------------------------------------------------------------
+// JobEnvironment
+
+namespace {
+
+// "auto": cuda:<local rank> when libtorch sees GPUs, else cpu.
+std::string ResolveDevice(const std::string& requested, const Runtime& runtime) {
+  const bool cuda = torch::cuda::is_available();
+  if (requested == "auto") return cuda ? "cuda:" + std::to_string(runtime.local_rank) : "cpu";
+  if (requested.rfind("cuda", 0) == 0 && !cuda) {
+    throw Error("device '" + requested + "' was asked for, but libtorch sees no CUDA device here");
+  }
+  return requested;
+}
+
+// MPI for a world of more than one rank, when this build has it; null otherwise.
+std::unique_ptr<Communicator> MaybeMakeMpi(const Runtime& runtime) {
+  if (runtime.world_size == 1) return nullptr;
+#if LOCKSTEP_HAVE_MPI
+  std::unique_ptr<Communicator> comm = MakeMpiCommunicator();
+  if (comm->rank() != runtime.rank || comm->world_size() != runtime.world_size) {
+    throw Error("MPI says rank " + std::to_string(comm->rank()) + " of " + std::to_string(comm->world_size()) +
+                " but the " + runtime.launcher + " environment says rank " + std::to_string(runtime.rank) + " of " +
+                std::to_string(runtime.world_size));
+  }
+  return comm;
+#else
+  return nullptr;
+#endif
+}
+
+std::string ResolveJobId(const CoordinationSetup& c) {
+  if (!c.job_id.empty()) return c.job_id;
+  for (const char* name : {"LOCKSTEP_JOB_ID", "SLURM_JOB_ID"}) {
+    if (const char* value = std::getenv(name); value != nullptr && *value != '\0') return value;
+  }
+  return "lockstep";
+}
+
+}  // namespace
+
+JobEnvironment::JobEnvironment(const JobEnvironmentOptions& options, const Runtime& runtime)
+    : options_(options), runtime_(runtime) {}
+
+std::unique_ptr<JobEnvironment> JobEnvironment::Create(const JobEnvironmentOptions& options, const Runtime& runtime) {
+  const std::string& backend = options.backend;
+  if (backend != "auto" && backend != "mpi" && backend != "nccl") {
+    throw InvalidArgumentError("backend must be auto, mpi or nccl, got '" + backend + "'");
+  }
+  const std::string& mode = options.coordination.mode;
+  if (mode != "auto" && mode != "on" && mode != "off") {
+    throw InvalidArgumentError("coordination mode must be auto, on or off, got '" + mode + "'");
+  }
+  std::unique_ptr<JobEnvironment> env(new JobEnvironment(options, runtime));
+  // The handlers first, so that a signal during start-up is not lost.
+  env->preemption_ = std::make_unique<PreemptionSyncPoint>();
+  if (options.install_signal_handlers) env->preemption_->InstallSignalHandlers();
+  env->notice_target_ = env->preemption_.get();
+
+  env->device_ = ResolveDevice(options.device, runtime);
+  std::unique_ptr<Communicator> mpi = MaybeMakeMpi(runtime);
+  env->StartCoordination(mpi.get());
+  env->preemption_->AttachClient(env->client_.get());
+  if (env->early_notice_.load()) env->preemption_->NotifyPeer();
+
+  // The communicator: null for a world of one, unless NCCL is asked for.
+  const bool on_gpu = env->device_.rfind("cuda", 0) == 0;
+  const std::string chosen = backend == "auto" ? (on_gpu ? "nccl" : "mpi") : backend;
+  if (runtime.world_size > 1 || backend == "nccl") {
+    if (chosen == "nccl") {
+      NcclIdExchange exchange;
+      if (env->client_) {
+        exchange = NcclIdOverCoordination(*env->client_, "default", options.collective_timeout);
+      } else if (runtime.world_size == 1) {
+        exchange.publish = [](const std::string&) {};
+      } else {
+        throw InvalidArgumentError("backend 'nccl' exchanges its unique id through the coordination service; "
+                                   "coordination.mode must not be 'off'");
+      }
+      env->communicator_ = MakeNcclCommunicator(exchange, runtime.local_rank);
+      if (!on_gpu) throw Error("backend 'nccl' needs the model on a CUDA device, not " + env->device_);
+    } else if (mpi) {
+      env->communicator_ = std::move(mpi);
+    } else {
+      throw Error("rank " + std::to_string(runtime.rank) + " of " + std::to_string(runtime.world_size) +
+                  ": this build has no MPI backend (configure with Open MPI installed)");
+    }
+  }
+  env->abort_target_ = env->communicator_.get();
+  return env;
+}
+
+// See CoordinationSetup. `bootstrap` (MPI) is used only when no address is set.
+void JobEnvironment::StartCoordination(Communicator* bootstrap) {
+  const CoordinationSetup& c = options_.coordination;
+  if (c.mode == "off" || (c.mode == "auto" && runtime_.world_size == 1)) return;
+  absl::StatusOr<std::string> address = ResolveCoordinatorAddress(c.address, c.port);
+  ThrowIfError(address.status(), "coordination address");
+  absl::StatusOr<std::string> token = ResolveJobToken(c.token_file);
+  ThrowIfError(token.status(), "coordination job token");
+  job_id_ = ResolveJobId(c);
+
+  CoordinationServiceOptions service;
+  service.job_id = job_id_;
+  service.world_size = runtime_.world_size;
+  service.heartbeat_timeout = c.heartbeat_timeout;
+  service.bind_all = c.bind_all;
+  service.tls.cert_file = c.tls.cert_file;
+  service.tls.key_file = c.tls.key_file;
+  auto start_service = [&](const std::string& listen) {
+    service.address = listen;
+    absl::StatusOr<std::unique_ptr<CoordinationService>> started = CoordinationService::Start(service);
+    ThrowIfError(started.status(), "rank 0 starting the coordination service");
+    service_ = std::move(*started);
+  };
+
+  if (address->empty()) {
+    if (c.standalone) {
+      throw InvalidArgumentError("coordination.standalone is set but no address is: set coordination.address, "
+                                 "--coordinator or MASTER_ADDR/MASTER_PORT");
+    }
+    if (runtime_.world_size > 1 && bootstrap == nullptr) {
+      throw InvalidArgumentError("no coordination service address: set coordination.address, --coordinator or "
+                                 "MASTER_ADDR/MASTER_PORT (launch/mpirun.sh and launch/slurm.sbatch do)");
+    }
+    // Rank 0 picks a free port (on loopback when every rank is on its host) and
+    // tells the others "address\ntoken" over MPI.
+    std::string announcement;
+    if (runtime_.is_chief()) {
+      const char* local_size = std::getenv("OMPI_COMM_WORLD_LOCAL_SIZE");
+      const bool all_local =
+          runtime_.world_size == 1 || (local_size != nullptr && std::atoi(local_size) == runtime_.world_size);
+      const std::string host = all_local ? "127.0.0.1" : runtime_.host;
+      if (token->empty()) *token = GenerateJobToken();
+      service.token = *token;
+      start_service(host + ":0");
+      announcement = absl::StrCat(host, ":", service_->port(), "\n", *token);
+    }
+    if (bootstrap != nullptr) announcement = BroadcastString(*bootstrap, announcement);
+    const size_t newline = announcement.find('\n');
+    *address = announcement.substr(0, newline);
+    *token = announcement.substr(newline + 1);
+  } else {
+    if (token->empty()) {
+      throw InvalidArgumentError("the coordination service needs a job token: set LOCKSTEP_JOB_TOKEN "
+                                 "(launch/mpirun.sh does), LOCKSTEP_JOB_TOKEN_FILE or coordination.token_file");
+    }
+    service.token = *token;
+    if (runtime_.is_chief() && !c.standalone) start_service(*address);
+  }
+
+  CoordinationClientOptions client;
+  client.address = *address;
+  client.job_id = job_id_;
+  client.token = *token;
+  client.rank = runtime_.rank;
+  client.world_size = runtime_.world_size;
+  client.host = runtime_.host;
+  client.heartbeat_timeout = c.heartbeat_timeout;
+  client.register_timeout = c.register_timeout;
+  client.tls.ca_file = c.tls.ca_file.empty() ? c.tls.cert_file : c.tls.ca_file;
+  client.service_owner = c.standalone ? "lockstep_coordinator" : "hosted by rank 0";
+  client.on_event = [this](const CoordinationEvent& event) { OnCoordinationEvent(event); };
+  absl::StatusOr<std::unique_ptr<CoordinationClient>> connected = CoordinationClient::Connect(client);
+  ThrowIfError(connected.status(), absl::StrCat("rank ", runtime_.rank, " joining the job at ", *address));
+  client_ = std::move(*connected);
+  address_ = *address;
+}
+
+// On the coordination client's thread.
+void JobEnvironment::OnCoordinationEvent(const CoordinationEvent& event) {
+  if (event.kind == CoordinationEvent::Kind::kPreemptionNotice) {
+    if (PreemptionSyncPoint* target = notice_target_.load(); target != nullptr && client_) {
+      target->NotifyPeer();
+    } else {
+      early_notice_.store(true);  // Create passes it on once the client is attached
+    }
+    return;
+  }
+  if (event.kind != CoordinationEvent::Kind::kPeerFailed && event.kind != CoordinationEvent::Kind::kCoordinatorLost) {
+    return;
+  }
+  const int rank = runtime_.rank;
+  std::fprintf(stderr, "%s: rank %d: stopping: %s\n", options_.program.c_str(), rank, event.message.c_str());
+  // The collective in progress fails at once; the training thread then stops with
+  // kPeerFailed. One busy elsewhere gets the grace period to notice.
+  if (Communicator* communicator = abort_target_.load()) communicator->Abort(event.message);
+  if (options_.peer_failure_grace <= absl::ZeroDuration()) return;
+  std::thread([program = options_.program, rank, grace = options_.peer_failure_grace,
+               code = options_.peer_failure_exit_code] {
+    absl::SleepFor(grace);
+    std::fprintf(stderr, "%s: rank %d: still running %s after a peer failed; exiting\n", program.c_str(), rank,
+                 absl::FormatDuration(grace).c_str());
+    std::fflush(stdout);
+    _exit(code);
+  }).detach();
+}
+
+CollectiveOptions JobEnvironment::collective_options() const {
+  CollectiveOptions options;
+  options.timeout = absl::ToChronoMilliseconds(options_.collective_timeout);
+  return options;
+}
+
+std::optional<CoordinationEvent> JobEnvironment::peer_failure() const {
+  if (!client_) return std::nullopt;
+  return client_->failure();
+}
+
+std::optional<std::string> JobEnvironment::HandleFailure(const std::string& error) {
+  abort_target_ = nullptr;
+  if (!client_) return std::nullopt;
+  if (failure_handled_) return handled_peer_failure_;  // the job layer handled it, the caller rethrew
+  failure_handled_ = true;
+  std::optional<std::string> peer;
+  if (std::optional<CoordinationEvent> failure = client_->failure()) {
+    std::fprintf(stderr, "%s: rank %d: stopped: %s\n", options_.program.c_str(), runtime_.rank,
+                  failure->message.c_str());
+    peer = failure->message;
+  } else {
+    (void)client_->ReportError(error);
+  }
+  if (!finished_) {
+    finished_ = true;
+    (void)client_->Goodbye();
+    if (service_) service_->Shutdown(absl::Seconds(2));
+  }
+  handled_peer_failure_ = peer;
+  return peer;
+}
+
+void JobEnvironment::Finish() {
+  if (finished_) return;
+  if (client_) {
+    ThrowIfError(client_->Barrier("lockstep/metrics_closed", options_.collective_timeout),
+                 "waiting for the other ranks at the end");
+  }
+  abort_target_ = nullptr;
+  finished_ = true;
+  if (client_) (void)client_->Goodbye();
+  if (service_) service_->Shutdown(absl::Seconds(60));
+}
+
+JobEnvironment::~JobEnvironment() {
+  abort_target_ = nullptr;
+  notice_target_ = nullptr;
+  if (!finished_) {
+    if (client_) (void)client_->Goodbye();
+    if (service_) service_->Shutdown(absl::Seconds(2));
+  }
+}
+
+// ---------------------------------------------------------------------------
+// TrainingJob
+
+TrainingJob::TrainingJob(JobEnvironment* environment, JobOptions options, PreemptionSyncPoint* preemption)
+    : environment_(environment),
+      options_(std::move(options)),
+      preemption_(preemption != nullptr ? preemption : environment != nullptr ? &environment->preemption() : nullptr) {
+  if (options_.num_train_steps < 0) {
+    throw InvalidArgumentError("num_train_steps must be >= 0, got " + std::to_string(options_.num_train_steps));
+  }
+  if (options_.eval_every_steps < 0) {
+    throw InvalidArgumentError("eval_every_steps must be >= 0, got " + std::to_string(options_.eval_every_steps));
+  }
+}
+
+JobResult TrainingJob::Run(BaseTrainer& trainer, BatchIterator& train_data, const std::vector<EvalSet>& eval_sets,
+                           CheckpointManager* checkpoints) {
+  // The stop check captures this call's locals: it must not outlive it.
+  struct ClearStopCheck {
+    BaseTrainer& trainer;
+    ~ClearStopCheck() { trainer.set_stop_check(nullptr); }
+  } clear{trainer};
+  try {
+    return RunOrThrow(trainer, train_data, eval_sets, checkpoints);
+  } catch (const std::exception& e) {
+    if (environment_ != nullptr) {
+      const c10::Error* torch_error = dynamic_cast<const c10::Error*>(&e);  // its what() has a backtrace
+      if (std::optional<std::string> peer =
+              environment_->HandleFailure(torch_error ? torch_error->what_without_backtrace() : e.what())) {
+        JobResult result;
+        result.reason = StopReason::kPeerFailed;
+        result.step = trainer.state().step;
+        result.message = *peer;
+        return result;
+      }
+    }
+    throw;
+  }
+}
+
+std::string TrainingJob::ChooseCheckpoint(const CheckpointManager& checkpoints) {
+  const Runtime runtime = environment_ != nullptr ? environment_->runtime() : Runtime::SingleProcess();
+  const std::string program = environment_ != nullptr ? environment_->options().program : "lockstep";
+  std::string path;
+  if (runtime.is_chief()) {
+    if (options_.resume == "auto") {
+      std::vector<std::string> skipped;
+      std::optional<FoundCheckpoint> found = CheckpointManager::FindLatest(checkpoints.options().directory, &skipped);
+      for (const std::string& why : skipped) {
+        std::fprintf(stderr, "%s: skipping checkpoint %s\n", program.c_str(), why.c_str());
+      }
+      if (found) path = found->path;
+    } else {
+      path = CheckpointManager::Validate(options_.resume).path;  // throws naming the file and the reason
+    }
+  }
+  CoordinationClient* coordination = environment_ != nullptr ? environment_->coordination() : nullptr;
+  if (coordination != nullptr && runtime.world_size > 1) {
+    // The others wait for rank 0's choice (it reads every shard of each candidate
+    // to check it) as long as for a collective.
+    absl::StatusOr<std::string> shared = ShareFromChief(*coordination, "lockstep/resume/path", path, runtime.is_chief(),
+                                                        environment_->options().collective_timeout);
+    ThrowIfError(shared.status(), "waiting for rank 0 to choose the checkpoint (collective_timeout_seconds)");
+    path = *shared;
+  }
+  return path;
+}
+
+JobResult TrainingJob::RunOrThrow(BaseTrainer& trainer, BatchIterator& train_data,
+                                  const std::vector<EvalSet>& eval_sets, CheckpointManager* checkpoints) {
+  TrainState& state = trainer.state();
+  const bool chief = trainer.runtime().is_chief();
+  if (checkpoints != nullptr) {
+    // Refused now, not at the first save.
+    if (!state.optimizer) throw InvalidArgumentError("checkpoints need a train state with an optimizer");
+    FindOptimizerStateCodec(*state.optimizer);
+    if (!train_data.SavePosition()) {
+      throw InvalidArgumentError("the train data iterator cannot save its position (BatchIterator::SavePosition), "
+                                 "so a checkpoint could not resume it");
+    }
+    // An asynchronous checkpoint copies the parameters while the next step runs;
+    // the update waits for the copy.
+    trainer.set_before_update([checkpoints] { checkpoints->AwaitSnapshot(); });
+  }
+  for (const EvalSet& set : eval_sets) {
+    if (set.name.empty() || !set.make_iterator) {
+      throw InvalidArgumentError("every eval set needs a name and a way to make its iterator");
+    }
+  }
+
+  JobResult result;
+  if (checkpoints != nullptr && options_.resume != "none") {
+    const std::string path = ChooseCheckpoint(*checkpoints);
+    if (!path.empty()) {
+      const FoundCheckpoint found = CheckpointManager::ReadManifestOnly(path);
+      ShardExtras extras = checkpoints->Restore(found, state);
+      train_data.RestorePosition(extras.data);
+      trainer.RestoreTrainerState(extras.trainer_state);
+      trainer.RestoreCustomState(extras.custom);
+      result.resumed_from = path;
+      if (chief) {
+        std::printf("Resumed from %s: step %" PRId64 ", written by %d rank(s)\n", path.c_str(), state.step,
+                    found.world_size);
+      }
+    }
+  }
+
+  std::map<std::string, double> latest_metrics;  // "set/metric" of the last evaluation, for best-M
+  auto evaluate = [&] {
+    std::vector<std::unique_ptr<BatchIterator>> iterators;
+    NamedBatchIterators sets;
+    for (const EvalSet& set : eval_sets) {
+      iterators.push_back(set.make_iterator());
+      sets.emplace_back(set.name, iterators.back().get());
+    }
+    for (auto& [name, metrics] : trainer.Eval(sets)) {
+      for (const auto& [metric, value] : metrics) latest_metrics[name + "/" + metric] = value;
+      result.eval[name] = std::move(metrics);
+    }
+  };
+  int64_t last_saved = state.step;
+  auto save = [&](bool emergency) {
+    ShardExtras extras;
+    extras.data = *train_data.SavePosition();
+    extras.trainer_state = trainer.SaveTrainerState();
+    extras.custom = trainer.SaveCustomState();
+    checkpoints->Save(state, extras, latest_metrics, emergency);
+    last_saved = state.step;
+  };
+
+  const int64_t total = options_.num_train_steps;
+  const int64_t period = std::max<int64_t>(options_.eval_every_steps > 0 ? options_.eval_every_steps : total, 1);
+  CoordinationClient* coordination = environment_ != nullptr ? environment_->coordination() : nullptr;
+  // After every step: the preemption agreement (at the last step training ends
+  // anyway, with its final checkpoint), then regular checkpoints between
+  // evaluations (those at an evaluation carry its metrics).
+  trainer.set_stop_check([&](int64_t step) {
+    if (coordination != nullptr) coordination->SetStep(step);
+    if (options_.on_step) options_.on_step(step);
+    if (preemption_ != nullptr && preemption_->notified() && preemption_->ShouldStop(step) && step != total) {
+      return true;
+    }
+    if (checkpoints != nullptr && checkpoints->Due(step) && step % period != 0 && step != total) save(false);
+    return false;
+  });
+
+  bool evaluated = false;
+  while (state.step < total) {
+    const int64_t before = state.step;
+    trainer.Train(train_data, std::min(period - state.step % period, total - state.step));
+    if (trainer.stopped_by_check()) {
+      // Every rank is at the agreed step. At an evaluation step, evaluate first, as
+      // an uninterrupted run would; a save in flight finishes first.
+      if (state.step % period == 0 || state.step == total) {
+        evaluate();
+        evaluated = true;
+      }
+      result.reason = StopReason::kPreempted;
+      result.preemption_signal = preemption_->signal();
+      const int signal = result.preemption_signal;
+      const char* cause = signal == SIGUSR1 ? "SIGUSR1" : signal == SIGTERM ? "SIGTERM" : "a peer's signal";
+      if (checkpoints != nullptr) {
+        save(/*emergency=*/true);
+        checkpoints->Wait();
+        result.emergency_checkpoint =
+            (std::filesystem::path(checkpoints->options().directory) / CheckpointDirName(state.step)).string();
+        if (chief) {
+          std::printf("Preempted (%s): emergency checkpoint %s; exiting with %d so that the job is requeued\n", cause,
+                      result.emergency_checkpoint.c_str(), kExitPreempted);
+        }
+      } else if (chief) {
+        std::printf("Preempted (%s) at step %" PRId64 " with no checkpoints configured; exiting with %d\n", cause,
+                    state.step, kExitPreempted);
+      }
+      break;
+    }
+    evaluate();
+    evaluated = true;
+    if (checkpoints != nullptr && checkpoints->Due(state.step)) save(false);
+    if (trainer.halt().halt) break;
+    if (state.step == before) break;  // the train data ran out
+  }
+  if (result.reason != StopReason::kPreempted) {
+    if (!evaluated) evaluate();  // resumed at or past num_train_steps
+    if (checkpoints != nullptr && options_.final_checkpoint && last_saved != state.step) save(false);
+    if (trainer.halt().halt) {
+      result.reason = trainer.halt().failure ? StopReason::kDiverged : StopReason::kHalted;
+      result.message = trainer.halt().reason;
+    }
+  }
+  if (checkpoints != nullptr) checkpoints->Wait();
+  trainer.CloseWriters();  // everything written before the caller's last lines
+  result.step = state.step;
+  return result;
+}
+
+}  // namespace lockstep
