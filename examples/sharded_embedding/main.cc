@@ -1,11 +1,15 @@
 // sharded_embedding: trains a bag-of-tokens classifier on synthetic text, with its
 // embedding table split by columns over the ranks of an MPI job, through Lockstep's
-// BaseTrainer, communicator and data iterator. See README.md.
+// BaseTrainer, communicator and data iterator, and Lockstep's job layer for
+// checkpoints, resume and preemption. See README.md.
 //
 //   mpirun -np 2 build/sharded_embedding --steps=300 --check
+//   mpirun -np 2 build/sharded_embedding --checkpoint_dir=runs/emb   # resumes if stopped
 //
 // Exit codes: 0 done (and with --check, the sharded model matched the unsharded
-// one), 1 a failure or a failed check, 2 a bad flag.
+// one), 1 a failure or a failed check, 2 a bad flag, 3 the loss became NaN,
+// 4 another rank failed, 75 preempted (SIGTERM or SIGUSR1: every rank saved an
+// emergency checkpoint at the same step; run again to resume).
 #include <ATen/ATen.h>
 
 #include <chrono>
@@ -19,17 +23,19 @@
 #include "absl/flags/flag.h"
 #include "absl/flags/parse.h"
 #include "absl/flags/usage.h"
+#include "absl/strings/str_cat.h"
+#include "absl/time/time.h"
+#include "lockstep/checkpoint.h"
 #include "lockstep/communicator.h"
 #include "lockstep/data.h"
 #include "lockstep/errors.h"
+#include "lockstep/hashing.h"
+#include "lockstep/job.h"
 #include "lockstep/metrics.h"
 #include "lockstep/runtime.h"
 #include "lockstep/torch_setup.h"
 #include "lockstep/train_state.h"
 #include "lockstep/trainer.h"
-#if LOCKSTEP_HAVE_MPI
-#include "lockstep/mpi_communicator.h"
-#endif
 #include "sharded_embedding_trainer.h"
 
 ABSL_FLAG(int64_t, steps, 300, "optimizer steps");
@@ -48,6 +54,12 @@ ABSL_FLAG(bool, check, false,
           "also train the unsharded model on every rank and fail unless the sharded one matches it");
 ABSL_FLAG(double, check_tolerance, 1e-4, "largest difference --check accepts (loss and parameters)");
 ABSL_FLAG(double, collective_timeout_seconds, 60, "timeout of every collective");
+ABSL_FLAG(std::string, checkpoint_dir, "",
+          "where checkpoints go (one step directory each); empty: no checkpoints. With one, a new start resumes "
+          "from the newest valid checkpoint (see --resume), and SIGTERM/SIGUSR1 saves an emergency one");
+ABSL_FLAG(int64_t, checkpoint_every_steps, 0, "a checkpoint every this many steps (0: only the final one)");
+ABSL_FLAG(int64_t, eval_every_steps, 0, "evaluate every this many steps (0: only at the end)");
+ABSL_FLAG(std::string, resume, "auto", "auto: the newest valid checkpoint, if any; none; or one step directory");
 
 namespace sharded_embedding {
 namespace {
@@ -73,20 +85,19 @@ lockstep::TensorDataset MakeBags(const at::Tensor& teacher, int64_t num_examples
   return data;
 }
 
-std::unique_ptr<lockstep::Communicator> MakeCommunicator(const lockstep::Runtime& runtime) {
-  if (runtime.world_size == 1) return lockstep::MakeSingleProcessCommunicator();
-#if LOCKSTEP_HAVE_MPI
-  std::unique_ptr<lockstep::Communicator> comm = lockstep::MakeMpiCommunicator();
-  if (comm->rank() != runtime.rank || comm->world_size() != runtime.world_size) {
-    throw lockstep::Error("MPI and the " + runtime.launcher + " environment disagree on rank and world size");
-  }
-  return comm;
-#else
-  throw lockstep::Error("this Lockstep was built without MPI; run a single process");
-#endif
+// The flags a resumed run must share with its checkpoint (not how long it runs,
+// how it reports or where it checkpoints).
+std::string ResumeRelevantFlags() {
+  return absl::StrCat("vocab_size=", absl::GetFlag(FLAGS_vocab_size), "\nembedding_dim=", absl::GetFlag(FLAGS_embedding_dim),
+                      "\nhidden_dim=", absl::GetFlag(FLAGS_hidden_dim), "\nnum_classes=", absl::GetFlag(FLAGS_num_classes),
+                      "\nbag_size=", absl::GetFlag(FLAGS_bag_size), "\nglobal_batch_size=",
+                      absl::GetFlag(FLAGS_global_batch_size), "\nnum_train_examples=",
+                      absl::GetFlag(FLAGS_num_train_examples), "\nnum_eval_examples=",
+                      absl::GetFlag(FLAGS_num_eval_examples), "\nlearning_rate=", absl::GetFlag(FLAGS_learning_rate),
+                      "\nseed=", absl::GetFlag(FLAGS_seed), "\ncheck=", absl::GetFlag(FLAGS_check), "\n");
 }
 
-int Run() {
+int Run(std::unique_ptr<lockstep::JobEnvironment>& environment) {
   const lockstep::Runtime runtime = lockstep::Runtime::FromEnvironment();
   const int world = runtime.world_size;
   const int64_t steps = absl::GetFlag(FLAGS_steps);
@@ -105,9 +116,24 @@ int Run() {
   Require(absl::GetFlag(FLAGS_num_train_examples) >= global_batch && absl::GetFlag(FLAGS_num_eval_examples) > 0,
           "--num_train_examples must be at least --global_batch_size, --num_eval_examples positive");
   Require(absl::GetFlag(FLAGS_summary_every_steps) > 0, "--summary_every_steps must be positive");
+  Require(absl::GetFlag(FLAGS_checkpoint_every_steps) >= 0 && absl::GetFlag(FLAGS_eval_every_steps) >= 0,
+          "--checkpoint_every_steps and --eval_every_steps must be >= 0");
 
   lockstep::ConfigureTorchForTraining();  // before the communicator starts its thread
-  std::unique_ptr<lockstep::Communicator> comm = MakeCommunicator(runtime);
+  // The job's environment: MPI, the coordination service (rank 0) and a client per
+  // rank, the preemption signal handlers.
+  lockstep::JobEnvironmentOptions env_options;
+  env_options.backend = "mpi";
+  env_options.device = "cpu";
+  env_options.collective_timeout = absl::Seconds(absl::GetFlag(FLAGS_collective_timeout_seconds));
+  env_options.program = "sharded_embedding";
+  environment = lockstep::JobEnvironment::Create(env_options, runtime);
+  std::unique_ptr<lockstep::Communicator> single;  // a world of one has no job communicator
+  lockstep::Communicator* comm = environment->communicator();
+  if (comm == nullptr) {
+    single = lockstep::MakeSingleProcessCommunicator();
+    comm = single.get();
+  }
 
   // Everything random comes from the seed alone, in the same order on every rank,
   // whatever the number of ranks: data, then the full table, then the dense layers.
@@ -133,7 +159,7 @@ int Run() {
       std::chrono::milliseconds(static_cast<int64_t>(absl::GetFlag(FLAGS_collective_timeout_seconds) * 1000));
   options.check = absl::GetFlag(FLAGS_check);
   options.optimizer_factory = factory;
-  ShardedEmbeddingTrainer trainer(state, runtime, comm.get(), options, full_table);
+  ShardedEmbeddingTrainer trainer(state, runtime, comm, options, full_table);
   trainer.set_summary_every_steps(absl::GetFlag(FLAGS_summary_every_steps));
   trainer.AddSummarySink(lockstep::StdoutLogger{});  // rank 0 only
   trainer.AddAction(std::make_unique<lockstep::TerminateOnNanAction>());
@@ -146,7 +172,7 @@ int Run() {
   lockstep::ShardedBatchIterator train(train_data, shard);
   shard.shuffle = false;
   shard.num_epochs = 1;
-  lockstep::ShardedBatchIterator eval(eval_data, shard);
+  const lockstep::ShardingOptions eval_shard = shard;
 
   if (runtime.is_chief()) {
     std::printf("sharded_embedding: %d rank(s) (%s, %s backend); embedding table %lld x %lld in %d column shard(s) "
@@ -156,17 +182,42 @@ int Run() {
                 static_cast<long long>(global_batch), static_cast<long long>(bag), static_cast<long long>(classes));
     std::fflush(stdout);
   }
+  // Checkpoints, resume, evaluation periods and preemption: the job layer's.
+  std::unique_ptr<lockstep::CheckpointManager> checkpoints;
+  if (!absl::GetFlag(FLAGS_checkpoint_dir).empty()) {
+    lockstep::CheckpointOptions ckpt;
+    ckpt.directory = absl::GetFlag(FLAGS_checkpoint_dir);
+    ckpt.every_steps = absl::GetFlag(FLAGS_checkpoint_every_steps);
+    // Each rank's shard holds its own columns: it loads on the same number of ranks only.
+    ckpt.partitioning = "sharded_embedding_columns";
+    ckpt.config_text = ResumeRelevantFlags();
+    ckpt.config_fingerprint = lockstep::StableHash(ckpt.config_text);
+    ckpt.barrier_timeout = env_options.collective_timeout;
+    checkpoints = std::make_unique<lockstep::CheckpointManager>(ckpt, runtime.rank, world, environment->coordination());
+  }
+  lockstep::JobOptions job;
+  job.num_train_steps = steps;
+  job.eval_every_steps = absl::GetFlag(FLAGS_eval_every_steps);
+  job.resume = absl::GetFlag(FLAGS_resume);
+  const std::vector<lockstep::EvalSet> eval_sets = {
+      {"test", [&] { return std::make_unique<lockstep::ShardedBatchIterator>(eval_data, eval_shard); }}};
+
   const auto start = std::chrono::steady_clock::now();
-  trainer.Train(train, steps);
-  const auto results = trainer.Eval({{"test", &eval}});
+  lockstep::JobResult result =
+      lockstep::TrainingJob(environment.get(), job).Run(trainer, train, eval_sets, checkpoints.get());
+  if (result.reason == lockstep::StopReason::kPeerFailed) return lockstep::ExitCodeFor(result.reason);
   const double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
-  const lockstep::MetricMap& test = results.front().second;
+  if (result.reason == lockstep::StopReason::kPreempted) {
+    environment->Finish();
+    return lockstep::ExitCodeFor(result.reason);
+  }
+  lockstep::MetricMap& test = result.eval["test"];
   const CheckResult check = options.check ? trainer.GlobalCheckResult() : CheckResult{};
 
-  int code = trainer.halt().failure ? 3 : 0;
+  int code = lockstep::ExitCodeFor(result.reason);
   if (runtime.is_chief()) {
     std::printf("Done: %lld steps in %.2f s; test loss %.4f, test accuracy %.4f\n",
-                static_cast<long long>(state.step), seconds, test.at(lockstep::kLoss), test.at(lockstep::kAccuracy));
+                static_cast<long long>(state.step), seconds, test[lockstep::kLoss], test[lockstep::kAccuracy]);
     if (trainer.halt().halt) std::printf("Stopped early: %s\n", trainer.halt().reason.c_str());
   }
   if (options.check) {
@@ -182,6 +233,7 @@ int Run() {
     if (!ok) code = 1;
   }
   std::fflush(stdout);
+  environment->Finish();
   return code;
 }
 
@@ -192,16 +244,23 @@ int main(int argc, char** argv) {
   absl::SetProgramUsageMessage("Trains a classifier whose embedding table is sharded by columns over the ranks.\n"
                                "  mpirun -np 2 sharded_embedding --steps=300 --check");
   absl::ParseCommandLine(argc, argv);
+  std::unique_ptr<lockstep::JobEnvironment> environment;
+  int code = 1;
+  std::string message;
   try {
-    return sharded_embedding::Run();
+    return sharded_embedding::Run(environment);
   } catch (const sharded_embedding::FlagError& e) {
-    std::fprintf(stderr, "sharded_embedding: %s\n", e.what());
-    return 2;
+    code = 2;
+    message = e.what();
   } catch (const lockstep::InvalidArgumentError& e) {
-    std::fprintf(stderr, "sharded_embedding: %s\n", e.what());
-    return 2;
+    code = 2;
+    message = e.what();
   } catch (const std::exception& e) {
-    std::fprintf(stderr, "sharded_embedding: error: %s\n", e.what());
-    return 1;
+    message = std::string("error: ") + e.what();
   }
+  // The others learn of this rank's failure at once; one that a peer's failure
+  // caused is the peer's (exit 4).
+  if (environment && environment->HandleFailure(message)) return lockstep::kExitPeerFailed;
+  std::fprintf(stderr, "sharded_embedding: %s\n", message.c_str());
+  return code;
 }

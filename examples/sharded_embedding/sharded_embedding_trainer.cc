@@ -8,10 +8,14 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cinttypes>
+#include <cstdio>
 #include <string>
 #include <utility>
 
+#include "absl/strings/str_format.h"
 #include "lockstep/errors.h"
+#include "lockstep/optimizer_state_codec.h"
 #include "lockstep/metrics.h"
 
 namespace sharded_embedding {
@@ -149,6 +153,7 @@ lockstep::MetricMap ShardedEmbeddingTrainer::TrainStep(const lockstep::Batch& ba
     p.mutable_grad().copy_(flat.slice(0, offset, offset + p.numel()).view_as(p));
     offset += p.numel();
   }
+  BeforeUpdate();  // an asynchronous checkpoint may still be copying the parameters
   state().optimizer->step();
   ++state().step;
 
@@ -192,6 +197,104 @@ CheckResult ShardedEmbeddingTrainer::GlobalCheckResult() {
   result.max_table_diff = values[2].item<double>();
   result.max_dense_diff = values[3].item<double>();
   return result;
+}
+
+namespace {
+
+// The reference's optimizer state goes through Lockstep's optimizer state codec
+// into named custom tensors ("reference/optimizer/<parameter>/<field>"), so that
+// checkpoints of equal states are equal byte for byte.
+constexpr char kOptimizerPrefix[] = "reference/optimizer/";
+
+class CustomStateWriter final : public lockstep::OptimizerStateWriter {
+ public:
+  explicit CustomStateWriter(lockstep::CustomState& out) : out_(out) {}
+  void PutTensor(const std::string& key, const at::Tensor& value) override {
+    out_.tensors[kOptimizerPrefix + key] = value.detach().clone();
+  }
+  void PutInt(const std::string& key, int64_t value) override {
+    out_.tensors[kOptimizerPrefix + key] = at::tensor({value}, at::kLong);
+  }
+  void PutBytes(const std::string& key, const std::string& value) override { out_.bytes[kOptimizerPrefix + key] = value; }
+
+ private:
+  lockstep::CustomState& out_;
+};
+
+class CustomStateReader final : public lockstep::OptimizerStateReader {
+ public:
+  explicit CustomStateReader(const lockstep::CustomState& in) : in_(in) {}
+  bool Has(const std::string& key) const override {
+    return in_.tensors.count(kOptimizerPrefix + key) > 0 || in_.bytes.count(kOptimizerPrefix + key) > 0;
+  }
+  at::Tensor Tensor(const std::string& key, const at::Tensor& like) const override {
+    at::Tensor t = Find(key);
+    if (like.defined() && t.sizes() != like.sizes()) {
+      throw lockstep::InvalidArgumentError("custom state " + key + " has another shape than the reference's");
+    }
+    return t;
+  }
+  int64_t Int(const std::string& key) const override { return Find(key).item<int64_t>(); }
+  std::string Bytes(const std::string& key) const override {
+    auto it = in_.bytes.find(kOptimizerPrefix + key);
+    if (it == in_.bytes.end()) throw lockstep::InvalidArgumentError("the checkpoint has no custom bytes " + key);
+    return it->second;
+  }
+
+ private:
+  at::Tensor Find(const std::string& key) const {
+    auto it = in_.tensors.find(kOptimizerPrefix + key);
+    if (it == in_.tensors.end()) throw lockstep::InvalidArgumentError("the checkpoint has no custom tensor " + key);
+    return it->second;
+  }
+  const lockstep::CustomState& in_;
+};
+
+lockstep::NamedParameters ReferenceParameters(const UnshardedReference& reference) {
+  lockstep::NamedParameters named = {{"table", reference.table}};
+  const std::vector<at::Tensor> dense = reference.DenseParameters();
+  for (size_t i = 0; i < dense.size(); ++i) named.emplace_back("dense" + std::to_string(i), dense[i]);
+  return named;
+}
+
+}  // namespace
+
+lockstep::CustomState ShardedEmbeddingTrainer::SaveCustomState() {
+  lockstep::CustomState out;
+  if (!reference_) return out;
+  // The differences so far, as text (hex floats are exact).
+  out.bytes["check"] = absl::StrFormat("%d %a %a %a", check_.steps, check_.max_loss_diff, check_.max_table_diff,
+                                       check_.max_dense_diff);
+  for (const auto& [name, p] : ReferenceParameters(*reference_)) out.tensors["reference/" + name] = p.detach().clone();
+  CustomStateWriter writer(out);
+  lockstep::FindOptimizerStateCodec(*reference_->optimizer)
+      ->Save(*reference_->optimizer, ReferenceParameters(*reference_), writer);
+  return out;
+}
+
+void ShardedEmbeddingTrainer::RestoreCustomState(const lockstep::CustomState& state) {
+  auto check = state.bytes.find("check");
+  if ((check != state.bytes.end()) != (reference_ != nullptr)) {
+    throw lockstep::InvalidArgumentError(std::string("the checkpoint was saved ") +
+                                         (reference_ ? "without" : "with") + " --check and this run is " +
+                                         (reference_ ? "with" : "without") + " it");
+  }
+  if (!reference_) return;
+  if (std::sscanf(check->second.c_str(), "%" SCNd64 " %la %la %la", &check_.steps, &check_.max_loss_diff,
+                  &check_.max_table_diff, &check_.max_dense_diff) != 4) {
+    throw lockstep::InvalidArgumentError("the checkpoint's check state is malformed: '" + check->second + "'");
+  }
+  torch::NoGradGuard no_grad;
+  for (const auto& [name, p] : ReferenceParameters(*reference_)) {
+    auto it = state.tensors.find("reference/" + name);
+    if (it == state.tensors.end() || it->second.sizes() != p.sizes()) {
+      throw lockstep::InvalidArgumentError("the checkpoint has no reference " + name + " of the reference's shape");
+    }
+    p.copy_(it->second);
+  }
+  CustomStateReader reader(state);
+  lockstep::FindOptimizerStateCodec(*reference_->optimizer)
+      ->Restore(*reference_->optimizer, ReferenceParameters(*reference_), reader);
 }
 
 lockstep::MetricSums ShardedEmbeddingTrainer::EvalStep(const lockstep::Batch& batch) {

@@ -88,6 +88,14 @@ class ShardedEmbeddingTrainer : public lockstep::BaseTrainer {
   // Collective (one all-reduce): the largest differences over all ranks.
   CheckResult GlobalCheckResult();
 
+  // With check: the differences recorded so far and the unsharded reference (its
+  // parameters as tensors, its optimizer as libtorch's archive), so that a resumed
+  // run goes on checking exactly as an uninterrupted one. Restore throws
+  // lockstep::InvalidArgumentError for state saved with or without check when this
+  // trainer has the other.
+  lockstep::CustomState SaveCustomState() override;
+  void RestoreCustomState(const lockstep::CustomState& state) override;
+
  protected:
   lockstep::MetricMap TrainStep(const lockstep::Batch& batch) override;
   lockstep::MetricSums EvalStep(const lockstep::Batch& batch) override;

@@ -8,6 +8,9 @@
 //     ".../max_exp_avg_sq", ".../step" (Adam, AdamW).
 //   - Any other libtorch optimizer goes through its own serialize archive
 //     (Optimizer::save / load), kept in the shard as "optimizer/archive" bytes.
+//     Restoring it is exact, but the bytes name parameters by their addresses in
+//     the saving process, so equal states need not give equal bytes: register a
+//     codec where checkpoints are compared byte for byte.
 //   - RegisterOptimizerStateCodec adds a codec for a type of your own.
 //
 // FindOptimizerStateCodec is asked at start-up (the job layer does), so an
