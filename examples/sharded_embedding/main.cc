@@ -246,7 +246,7 @@ int main(int argc, char** argv) {
   absl::ParseCommandLine(argc, argv);
   std::unique_ptr<lockstep::JobEnvironment> environment;
   int code = 1;
-  std::string message;
+  std::string message, prefix;
   try {
     return sharded_embedding::Run(environment);
   } catch (const sharded_embedding::FlagError& e) {
@@ -256,11 +256,12 @@ int main(int argc, char** argv) {
     code = 2;
     message = e.what();
   } catch (const std::exception& e) {
-    message = std::string("error: ") + e.what();
+    message = e.what();
+    prefix = "error: ";
   }
   // The others learn of this rank's failure at once; one that a peer's failure
   // caused is the peer's (exit 4).
   if (environment && environment->HandleFailure(message)) return lockstep::kExitPeerFailed;
-  std::fprintf(stderr, "sharded_embedding: %s\n", message.c_str());
+  std::fprintf(stderr, "sharded_embedding: %s%s\n", prefix.c_str(), message.c_str());
   return code;
 }

@@ -13,6 +13,9 @@
 // coordination layer; every call may also return what CoordinationClient's calls
 // return: UNAUTHENTICATED, UNAVAILABLE, ABORTED when the job failed):
 //   ShareFromChief     rank 0 publishes a value under a key, every rank reads it
+//   Publish            this rank's value under "<prefix><rank>"
+//   GatherPublished    waits for every rank's value under the prefix (rank 0
+//                      alone, say, when only it needs them)
 //   PublishAndGather   every rank publishes under "<prefix><rank>", each reads all
 //   TryGatherPublished the same without waiting: all values once every rank has
 //                      published, nullopt before
@@ -54,8 +57,15 @@ std::vector<std::string> AllGatherStrings(Communicator& communicator, const std:
 absl::StatusOr<std::string> ShareFromChief(CoordinationClient& client, const std::string& key, const std::string& value,
                                            bool is_chief, absl::Duration timeout);
 
-// Publishes `value` as "<prefix><rank>" and waits up to `timeout` for every
-// rank's, returned by rank. Errors: DEADLINE_EXCEEDED naming the first rank
+// Stores `value` as "<prefix><rank>" (this client's rank). Errors: INVALID_ARGUMENT.
+absl::Status Publish(CoordinationClient& client, const std::string& prefix, const std::string& value);
+
+// Waits up to `timeout` for every rank's "<prefix><rank>", returned by rank.
+// Errors: DEADLINE_EXCEEDED naming the first key missing; INVALID_ARGUMENT.
+absl::StatusOr<std::vector<std::string>> GatherPublished(CoordinationClient& client, const std::string& prefix,
+                                                         absl::Duration timeout);
+
+// Publish, then GatherPublished: every rank's value, by rank. Errors: DEADLINE_EXCEEDED naming the first rank
 // missing (by its key); INVALID_ARGUMENT.
 absl::StatusOr<std::vector<std::string>> PublishAndGather(CoordinationClient& client, const std::string& prefix,
                                                           const std::string& value, absl::Duration timeout);

@@ -17,6 +17,7 @@
 #include "lockstep/data.h"
 #include "lockstep/job.h"
 #include "lockstep/models.h"
+#include "lockstep/progress.h"
 #include "lockstep/runtime.h"
 #include "lockstep/schedule.h"
 #include "lockstep/train_state.h"
@@ -69,6 +70,21 @@ CheckpointOptions ToCheckpointOptions(const config::TrainerConfig& config);
 TrainerOptions ToTrainerOptions(const config::TrainerConfig& config);
 // terminate_on_nan and early_stopping, as actions of `trainer`.
 void AddConfiguredActions(const config::TrainerConfig& config, BaseTrainer& trainer);
+
+// Rank 0's writers for a run in config.output_dir, on the trainer's writer thread:
+// TensorBoard events, metrics.jsonl, the curves for plots, and stdout lines, or a
+// progress bar when config.progress says so (auto: stdout is a terminal, and under
+// mpirun only when LOCKSTEP_STDOUT_IS_TERMINAL=1, since mpirun gives every rank a
+// pseudo-terminal). Other ranks get none (null members).
+struct RunWriters {
+  std::shared_ptr<ProgressBar> progress;
+  std::shared_ptr<CurvePlotter> plotter;
+};
+RunWriters AddConfiguredWriters(const config::TrainerConfig& config, const Runtime& runtime, BaseTrainer& trainer);
+
+// Rank 0 writes the resolved config to <output_dir>/config.textproto (creating the
+// directory), through a temporary file and a rename. Throws Error when it cannot.
+void WriteResolvedConfig(const config::TrainerConfig& config, const Runtime& runtime);
 
 // The train and eval sets of config.data: Fashion-MNIST from data.dir, or the
 // synthetic sets. Throws DataError naming a missing or malformed file.

@@ -93,7 +93,12 @@ class PreemptionSyncPoint {
 
   // Throws Error when another PreemptionSyncPoint holds the handlers.
   void InstallSignalHandlers();
+  // Puts back the handlers that were there before.
   void UninstallSignalHandlers();
+  // Stops routing signals to this object but leaves the handlers in place, so a
+  // signal that arrives while the process winds down after the job (a second
+  // SIGTERM of a preemption, say) is ignored instead of killing it with 143.
+  void ReleaseSignalHandlers();
 
   // A preemption signal arrived at this process (SIGTERM, SIGUSR1).
   void Notify(int signal);

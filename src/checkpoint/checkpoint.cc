@@ -28,6 +28,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
 #include "absl/strings/str_split.h"
+#include "lockstep/agreement.h"
 #include "lockstep/coordination.h"
 #include "lockstep/hashing.h"
 #include "lockstep/optimizer_state_codec.h"
@@ -346,7 +347,7 @@ void CheckpointManager::Write(const Job& job) {
 
   const std::string key_prefix = absl::StrCat("lockstep/checkpoint/", job.step, "/");
   if (coordination_ != nullptr && world_size_ > 1) {
-    ThrowIfError(coordination_->Set(absl::StrCat(key_prefix, "shard/", rank_), absl::StrCat(bytes_written, " ", crc)),
+    ThrowIfError(Publish(*coordination_, key_prefix + "shard/", absl::StrCat(bytes_written, " ", crc)),
                  "checkpoint: reporting this rank's shard");
     ThrowIfError(coordination_->Barrier(key_prefix + "written", options_.barrier_timeout),
                  absl::StrCat("checkpoint step ", job.step, ": waiting for every rank's shard"));
@@ -362,22 +363,24 @@ void CheckpointManager::Write(const Job& job) {
     manifest.set_created_unix_seconds(
         std::chrono::duration_cast<std::chrono::seconds>(std::chrono::system_clock::now().time_since_epoch()).count());
     for (const auto& [metric, value] : job.metrics) (*manifest.mutable_metrics())[metric] = value;
+    // Every rank's report (rank 0's own, alone, needs no store).
+    std::vector<std::string> reports = {absl::StrCat(bytes_written, " ", crc)};
+    if (coordination_ != nullptr && world_size_ > 1) {
+      absl::StatusOr<std::vector<std::string>> gathered =
+          GatherPublished(*coordination_, key_prefix + "shard/", absl::Minutes(1));
+      ThrowIfError(gathered.status(), "checkpoint: the ranks' shard reports");
+      reports = *std::move(gathered);
+    }
     for (int r = 0; r < world_size_; ++r) {
       checkpoint::ShardFile* shard = manifest.add_shards();
       shard->set_rank(r);
       shard->set_path(ShardName(r));
-      if (r == rank_) {
-        shard->set_bytes(static_cast<int64_t>(bytes_written));
-        shard->set_crc32c(crc);
-        continue;
-      }
-      absl::StatusOr<std::string> info = coordination_->Get(absl::StrCat(key_prefix, "shard/", r), absl::Minutes(1));
-      ThrowIfError(info.status(), absl::StrCat("checkpoint: rank ", r, "'s shard"));
-      std::vector<std::string> fields = absl::StrSplit(*info, ' ');
+      const std::string& info = reports.at(r);
+      std::vector<std::string> fields = absl::StrSplit(info, ' ');
       int64_t size = 0;
       uint32_t shard_crc = 0;
       if (fields.size() != 2 || !absl::SimpleAtoi(fields[0], &size) || !absl::SimpleAtoi(fields[1], &shard_crc)) {
-        throw CheckpointError(absl::StrCat("checkpoint: rank ", r, " reported '", *info, "'"));
+        throw CheckpointError(absl::StrCat("checkpoint: rank ", r, " reported '", info, "'"));
       }
       shard->set_bytes(size);
       shard->set_crc32c(shard_crc);

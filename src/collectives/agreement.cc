@@ -57,17 +57,22 @@ absl::StatusOr<std::string> ShareFromChief(CoordinationClient& client, const std
   return client.Get(key, timeout);
 }
 
+absl::Status Publish(CoordinationClient& client, const std::string& prefix, const std::string& value) {
+  return client.Set(absl::StrCat(prefix, client.rank()), value);
+}
+
 absl::StatusOr<std::vector<std::string>> PublishAndGather(CoordinationClient& client, const std::string& prefix,
                                                           const std::string& value, absl::Duration timeout) {
-  absl::Status set = client.Set(absl::StrCat(prefix, client.rank()), value);
+  absl::Status set = Publish(client, prefix, value);
   if (!set.ok()) return set;
+  return GatherPublished(client, prefix, timeout);
+}
+
+absl::StatusOr<std::vector<std::string>> GatherPublished(CoordinationClient& client, const std::string& prefix,
+                                                         absl::Duration timeout) {
   const absl::Time deadline = absl::Now() + timeout;
   std::vector<std::string> values(client.world_size());
   for (int r = 0; r < client.world_size(); ++r) {
-    if (r == client.rank()) {
-      values[r] = value;
-      continue;
-    }
     absl::StatusOr<std::string> theirs =
         client.Get(absl::StrCat(prefix, r), std::max(deadline - absl::Now(), absl::ZeroDuration()));
     if (!theirs.ok()) return theirs.status();

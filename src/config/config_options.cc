@@ -1,10 +1,13 @@
 // Config -> the options of the job layer, the trainer, checkpoints and data.
+#include <cstdlib>
 #include <filesystem>
+#include <fstream>
 #include <memory>
 
 #include "lockstep/actions.h"
 #include "lockstep/config.h"
 #include "lockstep/hashing.h"
+#include "lockstep/summary_writers.h"
 
 namespace lockstep {
 
@@ -76,6 +79,44 @@ void AddConfiguredActions(const config::TrainerConfig& cfg, BaseTrainer& trainer
         e.task(), e.metric(), e.mode() == "max" ? EarlyStoppingAction::Mode::kMax : EarlyStoppingAction::Mode::kMin,
         e.patience(), e.atol(), e.rtol()));
   }
+}
+
+RunWriters AddConfiguredWriters(const config::TrainerConfig& cfg, const Runtime& runtime, BaseTrainer& trainer) {
+  RunWriters writers;
+  if (!runtime.is_chief()) return writers;
+  auto events = std::make_shared<TensorBoardWriter>(cfg.output_dir());
+  auto jsonl = std::make_shared<JsonlWriter>(cfg.output_dir());
+  writers.plotter = std::make_shared<CurvePlotter>();
+  trainer.AddSummaryWriter([events](const Summary& s) { (*events)(s); });
+  trainer.AddSummaryWriter([jsonl](const Summary& s) { (*jsonl)(s); });
+  trainer.AddSummaryWriter([plotter = writers.plotter](const Summary& s) { (*plotter)(s); });
+  bool bar = cfg.progress() == "bar";
+  if (cfg.progress() == "auto") {
+    const char* told = std::getenv("LOCKSTEP_STDOUT_IS_TERMINAL");
+    bar = told != nullptr ? std::string(told) == "1" : runtime.launcher != "mpirun" && IsTerminal(stdout);
+  }
+  if (bar) {
+    writers.progress = std::make_shared<ProgressBar>(cfg.num_train_steps());
+    trainer.AddSummaryWriter([progress = writers.progress](const Summary& s) { (*progress)(s); });
+  } else {
+    trainer.AddSummaryWriter(StdoutLogger{});
+  }
+  return writers;
+}
+
+void WriteResolvedConfig(const config::TrainerConfig& cfg, const Runtime& runtime) {
+  if (!runtime.is_chief()) return;
+  const std::filesystem::path dir = cfg.output_dir();
+  std::filesystem::create_directories(dir);
+  const std::filesystem::path path = dir / "config.textproto";
+  const std::filesystem::path tmp = path.string() + ".tmp";
+  {
+    std::ofstream out(tmp, std::ios::trunc);
+    out << ConfigToText(cfg);
+    out.flush();
+    if (!out) throw Error("cannot write '" + tmp.string() + "'");
+  }
+  std::filesystem::rename(tmp, path);
 }
 
 Datasets LoadDatasets(const config::TrainerConfig& cfg) {

@@ -103,6 +103,11 @@ void PreemptionSyncPoint::InstallSignalHandlers() {
   sigaction(SIGUSR1, &action, &previous_sigusr1);
 }
 
+void PreemptionSyncPoint::ReleaseSignalHandlers() {
+  PreemptionSyncPoint* expected = this;
+  signal_target.compare_exchange_strong(expected, nullptr);
+}
+
 void PreemptionSyncPoint::UninstallSignalHandlers() {
   PreemptionSyncPoint* expected = this;
   if (!signal_target.compare_exchange_strong(expected, nullptr)) return;
@@ -133,7 +138,7 @@ bool PreemptionSyncPoint::ShouldStop(int64_t step) {
   }
   if (!proposed_) {
     proposed_ = step + 1;
-    ThrowIfError(client_->Set(absl::StrCat(key_prefix_, client_->rank()), std::to_string(*proposed_)),
+    ThrowIfError(Publish(*client_, key_prefix_, std::to_string(*proposed_)),
                  "proposing the preemption step");
   }
   absl::StatusOr<std::optional<std::vector<std::string>>> proposals = TryGatherPublished(*client_, key_prefix_);
@@ -394,6 +399,7 @@ void JobEnvironment::Finish() {
 JobEnvironment::~JobEnvironment() {
   abort_target_ = nullptr;
   notice_target_ = nullptr;
+  if (preemption_) preemption_->ReleaseSignalHandlers();  // the job is over: a late signal is ignored
   if (!finished_) {
     if (client_) (void)client_->Goodbye();
     if (service_) service_->Shutdown(absl::Seconds(2));

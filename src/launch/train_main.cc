@@ -16,7 +16,6 @@
 #include <cstdio>
 #include <cstdlib>
 #include <filesystem>
-#include <fstream>
 #include <string>
 #include <vector>
 
@@ -27,8 +26,6 @@
 #include "lockstep/config.h"
 #include "lockstep/job.h"
 #include "lockstep/models.h"
-#include "lockstep/progress.h"
-#include "lockstep/summary_writers.h"
 #include "lockstep/torch_setup.h"
 #include "lockstep/trainer.h"
 
@@ -61,32 +58,11 @@ double SecondsSince(std::chrono::steady_clock::time_point start) {
   return std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
 }
 
-void WriteFileAtomically(const std::filesystem::path& path, const std::string& text) {
-  const std::filesystem::path tmp = path.string() + ".tmp";
-  {
-    std::ofstream out(tmp, std::ios::trunc);
-    out << text;
-    out.flush();
-    if (!out) throw Error("cannot write '" + tmp.string() + "'");
-  }
-  std::filesystem::rename(tmp, path);
-}
-
-// See TrainerConfig.progress.
-bool UseProgressBar(const std::string& progress, const Runtime& runtime) {
-  if (progress != "auto") return progress == "bar";
-  if (const char* told = std::getenv("LOCKSTEP_STDOUT_IS_TERMINAL")) return std::string(told) == "1";
-  return runtime.launcher != "mpirun" && IsTerminal(stdout);
-}
-
 int Run(const config::TrainerConfig& cfg, const Runtime& runtime, std::unique_ptr<JobEnvironment>& env) {
   const auto run_start = std::chrono::steady_clock::now();
   const int threads = ConfigureTorchForTraining(cfg.num_threads());  // before MPI starts its threads
   const std::filesystem::path output_dir = cfg.output_dir();
-  if (runtime.is_chief()) {
-    std::filesystem::create_directories(output_dir);
-    WriteFileAtomically(output_dir / "config.textproto", ConfigToText(cfg));
-  }
+  WriteResolvedConfig(cfg, runtime);
   JobEnvironmentOptions env_options = ToJobEnvironmentOptions(cfg);
   if (!absl::GetFlag(FLAGS_coordinator).empty()) env_options.coordination.address = absl::GetFlag(FLAGS_coordinator);
   env_options.program = "lockstep_train";
@@ -126,21 +102,8 @@ int Run(const config::TrainerConfig& cfg, const Runtime& runtime, std::unique_pt
   Trainer trainer(state, model.apply, CrossEntropyLoss(), options, runtime);
   // Rank 0 alone writes (stdout, TensorBoard events, JSONL) on the trainer's
   // background thread; on a terminal a progress bar replaces the train lines.
-  std::shared_ptr<ProgressBar> progress;
-  auto plotter = std::make_shared<CurvePlotter>();
-  if (runtime.is_chief()) {
-    auto events = std::make_shared<TensorBoardWriter>(output_dir.string());
-    auto jsonl = std::make_shared<JsonlWriter>(output_dir.string());
-    trainer.AddSummaryWriter([events](const Summary& s) { (*events)(s); });
-    trainer.AddSummaryWriter([jsonl](const Summary& s) { (*jsonl)(s); });
-    trainer.AddSummaryWriter([plotter](const Summary& s) { (*plotter)(s); });
-    if (UseProgressBar(cfg.progress(), runtime)) {
-      progress = std::make_shared<ProgressBar>(cfg.num_train_steps());
-      trainer.AddSummaryWriter([progress](const Summary& s) { (*progress)(s); });
-    } else {
-      trainer.AddSummaryWriter(StdoutLogger{});
-    }
-  }
+  const RunWriters writers = AddConfiguredWriters(cfg, runtime, trainer);
+  const std::shared_ptr<ProgressBar>& progress = writers.progress;
   AddConfiguredActions(cfg, trainer);
 
   ShardedBatchIterator train_data(data.train, ToTrainSharding(cfg, runtime));
@@ -156,7 +119,7 @@ int Run(const config::TrainerConfig& cfg, const Runtime& runtime, std::unique_pt
   if (result.reason == StopReason::kPeerFailed) return ExitCodeFor(result.reason);
   if (progress) progress->Finish();
   if (runtime.is_chief() && result.reason != StopReason::kPreempted) {
-    if (!plotter->WritePlots(output_dir.string()).empty()) {
+    if (!writers.plotter->WritePlots(output_dir.string()).empty()) {
       std::printf("Plots: %s/{loss,accuracy,learning_rate,examples_per_second}.svg\n", output_dir.c_str());
     }
     if (trainer.halt().halt) std::printf("Stopped after step %" PRId64 ": %s\n", state.step, result.message.c_str());
@@ -212,16 +175,18 @@ int main(int argc, char** argv) {
     return kExitUsage;
   }
   std::unique_ptr<JobEnvironment> env;
-  std::string error;
+  std::string kind, error;
   try {
     return Run(*cfg, runtime, env);
   } catch (const c10::Error& e) {
-    error = std::string("libtorch error: ") + e.what_without_backtrace();
+    kind = "libtorch error: ";
+    error = e.what_without_backtrace();
   } catch (const std::exception& e) {
-    error = std::string("error: ") + e.what();
+    kind = "error: ";
+    error = e.what();
   }
   // A failure that a peer's failure caused is that peer's: exit 4, naming it.
   if (env && env->HandleFailure(error)) return kExitPeerFailed;
-  std::fprintf(stderr, "lockstep_train: rank %d: %s\n", runtime.rank, error.c_str());
+  std::fprintf(stderr, "lockstep_train: rank %d: %s%s\n", runtime.rank, kind.c_str(), error.c_str());
   return kExitFailure;
 }

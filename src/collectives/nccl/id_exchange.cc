@@ -3,6 +3,7 @@
 #include <string>
 
 #include "absl/strings/str_cat.h"
+#include "lockstep/agreement.h"
 #include "lockstep/coordination.h"
 #include "lockstep/nccl_communicator.h"
 
@@ -14,11 +15,12 @@ NcclIdExchange NcclIdOverCoordination(CoordinationClient& coordination, const st
   NcclIdExchange exchange;
   exchange.rank = coordination.rank();
   exchange.world_size = coordination.world_size();
-  exchange.publish = [&coordination, key](const std::string& id) {
-    ThrowIfError(coordination.Set(key, id), "publishing the NCCL unique id");
+  exchange.publish = [&coordination, key, timeout](const std::string& id) {
+    ThrowIfError(ShareFromChief(coordination, key, id, /*is_chief=*/true, timeout).status(),
+                 "publishing the NCCL unique id");
   };
   exchange.fetch = [&coordination, key, timeout]() -> std::string {
-    absl::StatusOr<std::string> id = coordination.Get(key, timeout);
+    absl::StatusOr<std::string> id = ShareFromChief(coordination, key, "", /*is_chief=*/false, timeout);
     ThrowIfError(id.status(), "fetching the NCCL unique id from rank 0");
     return *id;
   };
