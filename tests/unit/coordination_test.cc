@@ -28,6 +28,7 @@
 #include "absl/time/clock.h"
 #include "lockstep/coordination.h"
 #include "proto/coordination.grpc.pb.h"
+#include "tests/testing/coordination_clients.h"
 #include "tests/testing/temp_dir.h"
 
 extern char** environ;
@@ -101,20 +102,13 @@ CoordinationClientOptions ClientOptions(int port, int rank, int world_size) {
 std::vector<std::unique_ptr<CoordinationClient>> ConnectAll(int port, int world_size,
                                                             std::vector<EventLog>* logs = nullptr,
                                                             absl::Duration heartbeat_timeout = absl::Seconds(10)) {
-  std::vector<std::future<absl::StatusOr<std::unique_ptr<CoordinationClient>>>> pending;
+  std::vector<CoordinationClientOptions> options;
   for (int r = 0; r < world_size; ++r) {
-    CoordinationClientOptions options = ClientOptions(port, r, world_size);
-    options.heartbeat_timeout = heartbeat_timeout;
-    if (logs) options.on_event = (*logs)[r].Callback();
-    pending.push_back(std::async(std::launch::async, [options] { return CoordinationClient::Connect(options); }));
+    options.push_back(ClientOptions(port, r, world_size));
+    options.back().heartbeat_timeout = heartbeat_timeout;
+    if (logs) options.back().on_event = (*logs)[r].Callback();
   }
-  std::vector<std::unique_ptr<CoordinationClient>> clients;
-  for (auto& p : pending) {
-    auto client = p.get();
-    EXPECT_TRUE(client.ok()) << client.status();
-    clients.push_back(client.ok() ? std::move(*client) : nullptr);
-  }
-  return clients;
+  return testing::ConnectConcurrently(options);
 }
 
 // A raw stub that sends whatever metadata a test wants.

@@ -29,6 +29,7 @@
 #include "lockstep/models.h"
 #include "lockstep/optimizer_state_codec.h"
 #include "lockstep/trainer.h"
+#include "tests/testing/coordination_clients.h"
 #include "tests/testing/temp_dir.h"
 #include "tests/testing/tiny_problem.h"
 
@@ -56,7 +57,7 @@ std::unique_ptr<CoordinationService> StartService(int world_size) {
 // connect concurrently); on_event of rank r calls events[r] when set.
 std::vector<std::unique_ptr<CoordinationClient>> ConnectAll(
     int port, int world_size, std::vector<std::function<void(const CoordinationEvent&)>> events = {}) {
-  std::vector<std::future<absl::StatusOr<std::unique_ptr<CoordinationClient>>>> pending;
+  std::vector<CoordinationClientOptions> options;
   for (int r = 0; r < world_size; ++r) {
     CoordinationClientOptions o;
     o.address = absl::StrCat("127.0.0.1:", port);
@@ -66,15 +67,9 @@ std::vector<std::unique_ptr<CoordinationClient>> ConnectAll(
     o.world_size = world_size;
     o.register_timeout = absl::Seconds(30);
     if (r < static_cast<int>(events.size())) o.on_event = events[r];
-    pending.push_back(std::async(std::launch::async, [o] { return CoordinationClient::Connect(o); }));
+    options.push_back(o);
   }
-  std::vector<std::unique_ptr<CoordinationClient>> clients;
-  for (auto& p : pending) {
-    auto client = p.get();
-    EXPECT_TRUE(client.ok()) << client.status();
-    clients.push_back(client.ok() ? std::move(*client) : nullptr);
-  }
-  return clients;
+  return testing::ConnectConcurrently(options);
 }
 
 // A reusable barrier for threads that stand in for ranks: every step has a
