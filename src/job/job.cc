@@ -423,10 +423,14 @@ TrainingJob::TrainingJob(JobEnvironment* environment, JobOptions options, Preemp
 
 JobResult TrainingJob::Run(BaseTrainer& trainer, BatchIterator& train_data, const std::vector<EvalSet>& eval_sets,
                            CheckpointManager* checkpoints) {
-  // The stop check captures this call's locals: it must not outlive it.
-  struct ClearStopCheck {
+  // The stop check and the update hook capture this call's locals and the
+  // checkpoint manager: they must not outlive it.
+  struct ClearHooks {
     BaseTrainer& trainer;
-    ~ClearStopCheck() { trainer.set_stop_check(nullptr); }
+    ~ClearHooks() {
+      trainer.set_stop_check(nullptr);
+      trainer.set_before_update(nullptr);
+    }
   } clear{trainer};
   try {
     return RunOrThrow(trainer, train_data, eval_sets, checkpoints);
