@@ -23,6 +23,13 @@
 // (write, fsync, rename). A crash at any point leaves the previous checkpoint as
 // the latest valid one; a directory without a valid manifest is never loaded.
 //
+// A write error (a full disk, EIO, a read-only file system) is a CheckpointError
+// naming the file and the cause, for synchronous and asynchronous saves alike; the
+// unfinished .tmp_step_N it leaves is removed by the next successful save. A
+// damaged checkpoint is never deleted: retention leaves alone every checkpoint
+// newer than the one just committed, and a save to the step of a damaged one moves
+// that aside (<name>.damaged.<unix seconds>) first.
+//
 // Asynchronous saves copy the state in memory on the training thread and write on
 // a background thread; the next Save, Wait() and the destructor wait for it.
 //
@@ -144,7 +151,9 @@ class CheckpointManager {
 
  private:
   void Write(const Job& job);
-  void ApplyRetention();
+  // Keeps keep_last / keep_best / pinned among the checkpoints up to the one just
+  // committed; newer ones (damaged, say) are never deleted.
+  void ApplyRetention(int64_t committed_step);
 
   const CheckpointOptions options_;
   const int rank_;

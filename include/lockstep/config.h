@@ -82,6 +82,12 @@ struct RunWriters {
 };
 RunWriters AddConfiguredWriters(const config::TrainerConfig& config, const Runtime& runtime, BaseTrainer& trainer);
 
+// Refuses a model that cannot fit in this machine's memory before libtorch tries
+// to allocate it: InvalidArgumentError naming model.hidden_units (the field that
+// sizes the model), the bytes its weights, gradients and optimizer state need,
+// and the memory there is.
+void CheckModelFitsInMemory(const config::TrainerConfig& config, const ModelOptions& model);
+
 // Rank 0 writes the resolved config to <output_dir>/config.textproto (creating the
 // directory), through a temporary file and a rename. Throws Error when it cannot.
 void WriteResolvedConfig(const config::TrainerConfig& config, const Runtime& runtime);

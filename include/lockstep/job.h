@@ -264,8 +264,10 @@ struct JobOptions {
   int64_t num_train_steps = 0;
   // Evaluate (and take due checkpoints) every this many steps; 0: only at the end.
   int64_t eval_every_steps = 0;
-  // "auto": the newest valid checkpoint in the manager's directory, if any;
-  // "none": start afresh; or the path of one step directory.
+  // "auto": the newest valid checkpoint in the manager's directory, if any (when
+  // there are checkpoints but none is valid, Run refuses with a CheckpointError
+  // naming each, rather than start over); "none": start afresh; or the path of
+  // one step directory.
   std::string resume = "auto";
   // A checkpoint at the end unless the last step already has one.
   bool final_checkpoint = true;

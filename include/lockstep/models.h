@@ -65,6 +65,11 @@ BuiltModel BuildModel(const ModelOptions& options);
 // Number of trainable scalars (parameters with requires_grad).
 int64_t CountTrainableWeights(const torch::nn::Module& module);
 
+// The parameters BuildModel(options) would make, counted without building it (as
+// a double: a bad config can ask for more than an int64 holds). Throws
+// InvalidArgumentError for an unknown model name.
+double CountModelParameters(const ModelOptions& options);
+
 }  // namespace lockstep
 
 #endif  // LOCKSTEP_MODELS_H_

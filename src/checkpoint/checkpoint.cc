@@ -18,6 +18,7 @@
 #include <chrono>
 #include <cstdio>
 #include <cstring>
+#include <exception>
 #include <filesystem>
 #include <fstream>
 #include <set>
@@ -91,12 +92,25 @@ void WriteDurably(const std::string& path, const char* data, size_t size) {
 // Writes `values` to `path` in torch.save's zip format (what torch::jit::pickle_save
 // produces, streamed straight to the file instead of through a growing buffer:
 // 3 s against 0.4 s for 256 MB here), fsyncs it, and returns its size and CRC32C.
+//
+// A write error (a full disk, EIO, a read-only file system) must not escape
+// libtorch's zip writer: its destructor finishes the archive and would write
+// again, and an exception there terminates the process. So the writer records
+// the first error, skips every later write, and the error is thrown once the
+// archive is closed, naming the file and the cause.
 std::pair<size_t, uint32_t> WriteShard(const std::string& path, const c10::impl::GenericDict& values) {
   size_t size = 0;
   uint32_t crc = 0;
   WriteFileDurably(path, [&](const auto& write_all) {
+    std::exception_ptr failed;
     auto write = [&](const void* data, size_t length) -> size_t {
-      write_all(data, length);
+      if (failed) return length;  // the archive goes on; nothing more reaches the file
+      try {
+        write_all(data, length);
+      } catch (...) {
+        failed = std::current_exception();
+        return length;
+      }
       crc = Crc32cExtend(crc, data, length);
       size += length;
       return length;
@@ -106,9 +120,12 @@ std::pair<size_t, uint32_t> WriteShard(const std::string& path, const c10::impl:
     pickler.protocol();
     pickler.pushIValue(c10::IValue(values));
     pickler.stop();
-    caffe2::serialize::PyTorchStreamWriter archive(write);
-    torch::jit::writeArchiveAndTensors("data", pickled.data(), pickled.size(), pickler.tensorData(), archive);
-    archive.writeEndOfFile();
+    {
+      caffe2::serialize::PyTorchStreamWriter archive(write);
+      torch::jit::writeArchiveAndTensors("data", pickled.data(), pickled.size(), pickler.tensorData(), archive);
+      archive.writeEndOfFile();
+    }
+    if (failed) std::rethrow_exception(failed);
   });
   return {size, crc};
 }
@@ -392,10 +409,24 @@ void CheckpointManager::Write(const Job& job) {
     WriteDurably((tmp / kManifestFile).string(), manifest_bytes.data(), manifest_bytes.size());
     FsyncDirectory(tmp.string());
     const fs::path final_dir = dir / name;
-    if (fs::exists(final_dir / kManifestFile)) {
-      fs::remove_all(tmp);  // this step is already committed (an emergency save right after a regular one)
+    bool committed = false;  // this step is already (an emergency save right after a regular one)
+    if (fs::exists(final_dir)) {
+      try {
+        Validate(final_dir.string());
+        committed = true;
+      } catch (const CheckpointError&) {
+        // Damaged (often recoverable, one bad shard of many): kept aside, never deleted.
+        const fs::path aside = dir / absl::StrCat(name, ".damaged.", std::chrono::duration_cast<std::chrono::seconds>(
+                                                                         std::chrono::system_clock::now().time_since_epoch())
+                                                                         .count());
+        fs::rename(final_dir, aside);
+        std::fprintf(stderr, "lockstep: checkpoint %s was damaged; moved to %s and saved again\n", final_dir.c_str(),
+                     aside.c_str());
+      }
+    }
+    if (committed) {
+      fs::remove_all(tmp);
     } else {
-      fs::remove_all(final_dir);  // a leftover without a manifest is not a checkpoint
       fs::rename(tmp, final_dir);
     }
     FsyncDirectory(dir.string());
@@ -405,7 +436,7 @@ void CheckpointManager::Write(const Job& job) {
     WriteDurably(latest_tmp, latest_text.data(), latest_text.size());
     fs::rename(latest_tmp, dir / kLatestFile);
     FsyncDirectory(dir.string());
-    ApplyRetention();
+    ApplyRetention(job.step);
   }
   if (coordination_ != nullptr && world_size_ > 1) {
     ThrowIfError(coordination_->Barrier(key_prefix + "committed", options_.barrier_timeout),
@@ -414,7 +445,7 @@ void CheckpointManager::Write(const Job& job) {
   }
 }
 
-void CheckpointManager::ApplyRetention() {
+void CheckpointManager::ApplyRetention(int64_t committed_step) {
   struct Entry {
     int64_t step;
     fs::path path;
@@ -430,6 +461,9 @@ void CheckpointManager::ApplyRetention() {
     }
     const std::optional<int64_t> step = StepOfDirName(name, "step_");
     if (!step || !item.is_directory()) continue;
+    // Newer than the checkpoint just committed: a run resumed from an older one
+    // because these are damaged (or were not chosen). Left alone.
+    if (*step > committed_step) continue;
     Entry entry{*step, item.path(), std::nullopt, fs::exists(item.path() / kPinnedFile)};
     try {
       const checkpoint::Manifest manifest = ReadManifest(item.path().string());

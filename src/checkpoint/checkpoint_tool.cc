@@ -1,11 +1,16 @@
 // lockstep_ckpt: inspects checkpoint directories.
 //
-//   lockstep_ckpt verify DIR    checks every checkpoint under DIR (manifest,
-//                                     every shard's size and CRC32C) and what
-//                                     "latest" points to; exit 0 when "latest"
-//                                     (if any) is valid, 1 otherwise
-//   lockstep_ckpt latest DIR    prints the newest valid checkpoint's path
-//                                     (what --resume=auto takes); exit 1 if none
+//   lockstep_ckpt verify DIR    DIR is a checkpoints directory: checks every step
+//                               directory in it (manifest, every shard's size and
+//                               CRC32C) and what "latest" points to; or DIR is one
+//                               step directory: checks it
+//   lockstep_ckpt latest DIR    prints the newest valid checkpoint's path (what
+//                               --resume=auto takes)
+//
+// Exit codes: 0 every checkpoint checked is valid (verify) / one was found
+// (latest); 1 a checkpoint checked is invalid, "latest" names an invalid one, or
+// there was nothing to check (verify) / none is valid (latest); 2 bad usage or DIR
+// is not a directory.
 #include <algorithm>
 #include <cstdio>
 #include <filesystem>
@@ -18,9 +23,36 @@
 
 namespace fs = std::filesystem;
 
+namespace {
+
+constexpr char kUsage[] =
+    "usage: lockstep_ckpt verify|latest DIR\n"
+    "  verify DIR  check every checkpoint in a checkpoints directory (and its 'latest'), or one step directory\n"
+    "  latest DIR  print the newest valid checkpoint's path (what --resume=auto takes)\n"
+    "exit codes: 0 all valid (verify) / found (latest); 1 something invalid, nothing to check, or none valid;\n"
+    "            2 bad usage or DIR is not a directory\n";
+
+bool Check(const fs::path& path) {
+  try {
+    const lockstep::FoundCheckpoint found = lockstep::CheckpointManager::Validate(path.string());
+    std::printf("ok       %s (step %lld, %d rank(s))\n", path.c_str(), static_cast<long long>(found.step),
+                found.world_size);
+    return true;
+  } catch (const lockstep::CheckpointError& e) {
+    std::printf("INVALID  %s\n", e.what());
+    return false;
+  }
+}
+
+}  // namespace
+
 int main(int argc, char** argv) {
+  if (argc == 2 && (std::string(argv[1]) == "--help" || std::string(argv[1]) == "-h")) {
+    std::printf("%s", kUsage);
+    return 0;
+  }
   if (argc != 3 || (std::string(argv[1]) != "verify" && std::string(argv[1]) != "latest")) {
-    std::fprintf(stderr, "usage: lockstep_ckpt verify|latest DIR\n");
+    std::fprintf(stderr, "%s", kUsage);
     return 2;
   }
   const std::string command = argv[1];
@@ -40,38 +72,57 @@ int main(int argc, char** argv) {
     std::printf("%s\n", found->path.c_str());
     return 0;
   }
-  int valid = 0, invalid = 0;
+  // One step directory (it has a manifest, or is named like one).
+  const std::string base = fs::path(dir).lexically_normal().filename().string();
+  if (fs::exists(fs::path(dir) / "manifest.pb") || base.rfind("step_", 0) == 0) {
+    const bool ok = Check(dir);
+    std::printf("%s\n", ok ? "1 valid" : "0 valid, 1 invalid");
+    return ok ? 0 : 1;
+  }
+  int valid = 0, invalid = 0, unfinished = 0;
   std::vector<fs::path> entries;
   for (const auto& item : fs::directory_iterator(dir)) {
     if (item.is_directory()) entries.push_back(item.path());
   }
   std::sort(entries.begin(), entries.end());
   for (const fs::path& path : entries) {
-    try {
-      const lockstep::FoundCheckpoint found = lockstep::CheckpointManager::Validate(path.string());
-      std::printf("ok       %s (step %lld, %d rank(s))\n", path.c_str(), static_cast<long long>(found.step),
-                  found.world_size);
-      ++valid;
-    } catch (const lockstep::CheckpointError& e) {
-      std::printf("INVALID  %s\n", e.what());
-      ++invalid;
+    const std::string name = path.filename().string();
+    if (name.rfind(".tmp_", 0) == 0) {
+      std::printf("ignored  %s (an unfinished save, never loaded; the next save removes it)\n", path.c_str());
+      ++unfinished;
+      continue;
     }
+    if (name.find(".damaged.") != std::string::npos) {
+      std::printf("ignored  %s (a damaged checkpoint a later save set aside)\n", path.c_str());
+      continue;
+    }
+    if (name.rfind("step_", 0) != 0) {
+      std::printf("ignored  %s (not a step directory)\n", path.c_str());
+      continue;
+    }
+    (Check(path) ? valid : invalid)++;
   }
   const fs::path latest = fs::path(dir) / "latest";
-  if (!fs::exists(latest)) {
-    std::printf("no 'latest' yet; %d valid, %d invalid\n", valid, invalid);
-    return 0;
+  bool latest_ok = true;
+  std::string latest_text = "no 'latest' yet";
+  if (fs::exists(latest)) {
+    std::ifstream in(latest);
+    std::string name;
+    std::getline(in, name);
+    name = std::string(absl::StripAsciiWhitespace(name));
+    try {
+      lockstep::CheckpointManager::Validate((fs::path(dir) / name).string());
+      latest_text = "latest -> " + name + " (valid)";
+    } catch (const lockstep::CheckpointError& e) {
+      std::printf("latest -> %s is NOT valid: %s\n", name.c_str(), e.what());
+      latest_text = "latest -> " + name + " (NOT valid)";
+      latest_ok = false;
+    }
   }
-  std::ifstream in(latest);
-  std::string name;
-  std::getline(in, name);
-  name = std::string(absl::StripAsciiWhitespace(name));
-  try {
-    lockstep::CheckpointManager::Validate((fs::path(dir) / name).string());
-  } catch (const lockstep::CheckpointError& e) {
-    std::printf("latest -> %s is NOT valid: %s\n", name.c_str(), e.what());
+  std::printf("%s; %d valid, %d invalid, %d unfinished\n", latest_text.c_str(), valid, invalid, unfinished);
+  if (valid + invalid == 0) {
+    std::fprintf(stderr, "lockstep_ckpt: no checkpoint to check in %s\n", dir.c_str());
     return 1;
   }
-  std::printf("latest -> %s (valid); %d valid, %d invalid\n", name.c_str(), valid, invalid);
-  return 0;
+  return invalid == 0 && latest_ok ? 0 : 1;
 }

@@ -4,6 +4,9 @@
 #include <fstream>
 #include <memory>
 
+#include <unistd.h>
+
+#include "absl/strings/str_format.h"
 #include "lockstep/actions.h"
 #include "lockstep/config.h"
 #include "lockstep/hashing.h"
@@ -102,6 +105,22 @@ RunWriters AddConfiguredWriters(const config::TrainerConfig& cfg, const Runtime&
     trainer.AddSummaryWriter(StdoutLogger{});
   }
   return writers;
+}
+
+void CheckModelFitsInMemory(const config::TrainerConfig& cfg, const ModelOptions& model) {
+  const double parameters = CountModelParameters(model);
+  // Weights and gradients in float32, and the optimizer's state per weight.
+  const bool adam = cfg.optimizer().kind() != config::OptimizerConfig::SGD;
+  const double bytes_per_parameter = 4 + 4 + (adam ? 8 : 4);
+  const double needed = parameters * bytes_per_parameter;
+  const double memory = static_cast<double>(sysconf(_SC_PHYS_PAGES)) * static_cast<double>(sysconf(_SC_PAGESIZE));
+  if (memory > 0 && needed > memory) {
+    throw InvalidArgumentError(absl::StrFormat(
+        "config: model.hidden_units=%d makes the %s model %.3g parameters, which need %.3g GB for weights, gradients "
+        "and %s state (%.0f bytes each), more than this machine's %.3g GB of memory",
+        cfg.model().hidden_units(), model.name, parameters, needed / 1e9, adam ? "Adam's" : "SGD's",
+        bytes_per_parameter, memory / 1e9));
+  }
 }
 
 void WriteResolvedConfig(const config::TrainerConfig& cfg, const Runtime& runtime) {

@@ -174,6 +174,7 @@ class Client final : public CoordinationClient {
   absl::Status ReportError(const std::string& message) override {
     pb::ErrorReport request;
     request.set_rank(options_.rank);
+    request.set_incarnation(options_.incarnation);
     request.set_message(message);
     pb::ErrorReportResponse response;
     return Call(&Stub::ReportError, request, response, options_.rpc_timeout);
@@ -182,6 +183,7 @@ class Client final : public CoordinationClient {
   absl::Status ReportPreemption(const std::string& reason) override {
     pb::PreemptionNotice request;
     request.set_rank(options_.rank);
+    request.set_incarnation(options_.incarnation);
     request.set_reason(reason);
     pb::PreemptionNoticeResponse response;
     return Call(&Stub::ReportPreemption, request, response, options_.rpc_timeout);

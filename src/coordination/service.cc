@@ -173,10 +173,8 @@ class Service final : public pb::Coordination::Service, public CoordinationServi
     if (auto s = CheckRank(request->rank()); !s.ok()) return ToGrpc(s);
     absl::MutexLock lock(&mu_);
     RankState& slot = ranks_[request->rank()];
-    if (!slot.registered || slot.info.incarnation != request->incarnation()) {
-      return ToGrpc(absl::FailedPreconditionError(absl::StrCat(
-          "heartbeat from rank ", request->rank(), " incarnation ", request->incarnation(),
-          ", which is not the registered one", slot.registered ? " (" + DescribePeer(slot.info) + ")" : "")));
+    if (auto s = CheckRegisteredLocked(context, "heartbeat", request->rank(), request->incarnation()); !s.ok()) {
+      return ToGrpc(s);
     }
     if (!failure_.empty()) return ToGrpc(absl::AbortedError(failure_));
     slot.last_heartbeat = absl::Now();
@@ -315,11 +313,11 @@ class Service final : public pb::Coordination::Service, public CoordinationServi
     if (auto s = Authenticate(context, "ReportError"); !s.ok()) return ToGrpc(s);
     if (auto s = CheckRank(request->rank()); !s.ok()) return ToGrpc(s);
     absl::MutexLock lock(&mu_);
+    if (auto s = CheckRegisteredLocked(context, "error report", request->rank(), request->incarnation()); !s.ok()) {
+      return ToGrpc(s);
+    }
     const PeerInfo& peer = ranks_[request->rank()].info;
-    const std::string message = request->message().substr(0, 4096);
-    FailLocked(peer.rank < 0 ? PeerInfo{request->rank(), "", 0, 0} : peer,
-               absl::StrCat(DescribePeer(peer.rank < 0 ? PeerInfo{request->rank(), "?", 0, 0} : peer),
-                            " failed: ", message));
+    FailLocked(peer, absl::StrCat(DescribePeer(peer), " failed: ", request->message().substr(0, 4096)));
     return grpc::Status::OK;
   }
 
@@ -328,6 +326,9 @@ class Service final : public pb::Coordination::Service, public CoordinationServi
     if (auto s = Authenticate(context, "ReportPreemption"); !s.ok()) return ToGrpc(s);
     if (auto s = CheckRank(request->rank()); !s.ok()) return ToGrpc(s);
     absl::MutexLock lock(&mu_);
+    if (auto s = CheckRegisteredLocked(context, "preemption notice", request->rank(), request->incarnation()); !s.ok()) {
+      return ToGrpc(s);
+    }
     const PeerInfo& peer = ranks_[request->rank()].info;
     PushEventLocked(pb::Event::PREEMPTION_NOTICE, peer,
                     absl::StrCat(DescribePeer(peer), " received a preemption notice (",
@@ -361,8 +362,10 @@ class Service final : public pb::Coordination::Service, public CoordinationServi
     if (auto s = Authenticate(context, "Goodbye"); !s.ok()) return ToGrpc(s);
     if (auto s = CheckRank(request->rank()); !s.ok()) return ToGrpc(s);
     absl::MutexLock lock(&mu_);
-    RankState& slot = ranks_[request->rank()];
-    if (slot.registered && slot.info.incarnation == request->incarnation()) slot.gone = true;
+    if (auto s = CheckRegisteredLocked(context, "goodbye", request->rank(), request->incarnation()); !s.ok()) {
+      return ToGrpc(s);
+    }
+    ranks_[request->rank()].gone = true;
     return grpc::Status::OK;
   }
 
@@ -398,6 +401,22 @@ class Service final : public pb::Coordination::Service, public CoordinationServi
       std::fprintf(stderr, "coordination service: refused %s from %s: %s\n", method, context->peer().c_str(), problem);
     }
     return absl::UnauthenticatedError(absl::StrCat("coordination service refused the call: ", problem));
+  }
+
+  // A per-rank call must come from the incarnation that registered the rank; any
+  // other caller (a stale process, a client that never registered) is refused and
+  // logged, and changes nothing.
+  absl::Status CheckRegisteredLocked(grpc::ServerContext* context, const char* what, int rank, uint64_t incarnation)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
+    const RankState& slot = ranks_[rank];
+    if (slot.registered && slot.info.incarnation == incarnation) return absl::OkStatus();
+    const std::string why =
+        absl::StrCat(what, " for rank ", rank, " from incarnation ", incarnation, ", which is not the registered one",
+                     slot.registered ? " (" + DescribePeer(slot.info) + ")" : " (the rank has not registered)");
+    if (options_.log_refusals) {
+      std::fprintf(stderr, "coordination service: refused %s from %s\n", why.c_str(), context->peer().c_str());
+    }
+    return absl::FailedPreconditionError(why);
   }
 
   absl::Status CheckRank(int rank) const {

@@ -13,6 +13,7 @@
 #include <thread>
 
 #include "absl/strings/str_cat.h"
+#include "absl/strings/str_join.h"
 #include "absl/time/clock.h"
 #include "lockstep/agreement.h"
 #include "lockstep/checkpoint.h"
@@ -461,7 +462,16 @@ std::string TrainingJob::ChooseCheckpoint(const CheckpointManager& checkpoints) 
       for (const std::string& why : skipped) {
         std::fprintf(stderr, "%s: skipping checkpoint %s\n", program.c_str(), why.c_str());
       }
-      if (found) path = found->path;
+      if (found) {
+        path = found->path;
+      } else if (!skipped.empty()) {
+        // Starting over would throw away the work they hold, and later retention
+        // could delete them: refuse, unless a fresh start is asked for.
+        throw CheckpointError(absl::StrCat("no valid checkpoint in ", checkpoints.options().directory, ", but ",
+                                           skipped.size(), " damaged one(s): ", absl::StrJoin(skipped, "; "),
+                                           ". Repair or move them, or start afresh with resume 'none' "
+                                           "(lockstep_train --resume=none)"));
+      }
     } else {
       path = CheckpointManager::Validate(options_.resume).path;  // throws naming the file and the reason
     }

@@ -88,6 +88,7 @@ int Run(const config::TrainerConfig& cfg, const Runtime& runtime, std::unique_pt
   model_options.in_channels = data.train->inputs.size(1);
   model_options.height = data.train->inputs.size(2);
   model_options.width = data.train->inputs.size(3);
+  CheckModelFitsInMemory(cfg, model_options);  // a clear error, not libtorch's allocator's
   BuiltModel model = BuildModel(model_options);
   TrainState state = MakeTrainState(model.module, MakeOptimizerFactory(ToOptimizerOptions(cfg.optimizer())));
   state.model->to(torch::Device(env->device()));

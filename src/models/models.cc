@@ -76,6 +76,27 @@ BuiltModel BuildModel(const ModelOptions& options) {
   throw InvalidArgumentError("unknown model '" + options.name + "' (known: cnn, mlp)");
 }
 
+double CountModelParameters(const ModelOptions& o) {
+  auto linear = [](double in, double out) { return in * out + out; };
+  double count = 0;
+  double features = 0;
+  std::vector<int64_t> hidden = {o.hidden_units};
+  if (o.name == "cnn") {
+    count += linear(9.0 * o.in_channels, 32) + linear(9.0 * 32, 64);
+    features = 64.0 * (o.height / 4) * (o.width / 4);
+  } else if (o.name == "mlp") {
+    features = static_cast<double>(o.in_channels) * o.height * o.width;
+    if (!o.hidden_layers.empty()) hidden = o.hidden_layers;
+  } else {
+    throw InvalidArgumentError("unknown model '" + o.name + "' (known: cnn, mlp)");
+  }
+  for (const int64_t width : hidden) {
+    count += linear(features, static_cast<double>(width));
+    features = static_cast<double>(width);
+  }
+  return count + linear(features, o.num_classes);
+}
+
 int64_t CountTrainableWeights(const torch::nn::Module& module) {
   int64_t count = 0;
   for (const at::Tensor& p : module.parameters()) {

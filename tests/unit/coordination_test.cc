@@ -462,6 +462,72 @@ TEST(CoordinationTest, AReportedErrorAndAPreemptionNoticeReachEveryRank) {
   EXPECT_EQ(clients[0]->Set("k", "v").code(), absl::StatusCode::kAborted);
 }
 
+// A caller with the job's token that is not the registered incarnation of a rank
+// (never registered, or a stale process) cannot report errors, preemption notices
+// or goodbyes for it: refused, and a real job then starts and runs unharmed.
+TEST(CoordinationTest, PerRankCallsFromAnythingButTheRegisteredIncarnationAreRefused) {
+  auto service = StartService(2);
+  RawStub raw(service->port());
+  auto expect_refused = [&](auto call, const char* what) {
+    grpc::ClientContext context;
+    raw.Prepare(context, kJob, kToken);
+    grpc::Status status = call(context);
+    EXPECT_EQ(status.error_code(), grpc::StatusCode::FAILED_PRECONDITION) << what;
+    EXPECT_THAT(status.error_message(), HasSubstr("which is not the registered one")) << what;
+  };
+  auto report_error = [&](uint64_t incarnation) {
+    return [&, incarnation](grpc::ClientContext& context) {
+      pb::ErrorReport request;
+      request.set_rank(0);
+      request.set_incarnation(incarnation);
+      request.set_message("forged");
+      pb::ErrorReportResponse response;
+      return raw.stub->ReportError(&context, request, &response);
+    };
+  };
+  auto notice = [&](uint64_t incarnation) {
+    return [&, incarnation](grpc::ClientContext& context) {
+      pb::PreemptionNotice request;
+      request.set_rank(1);
+      request.set_incarnation(incarnation);
+      request.set_reason("forged");
+      pb::PreemptionNoticeResponse response;
+      return raw.stub->ReportPreemption(&context, request, &response);
+    };
+  };
+  auto goodbye = [&](uint64_t incarnation) {
+    return [&, incarnation](grpc::ClientContext& context) {
+      pb::GoodbyeRequest request;
+      request.set_rank(0);
+      request.set_incarnation(incarnation);
+      pb::GoodbyeResponse response;
+      return raw.stub->Goodbye(&context, request, &response);
+    };
+  };
+  // Before anyone registered.
+  expect_refused(report_error(0), "error report, unregistered");
+  expect_refused(notice(0), "preemption notice, unregistered");
+  expect_refused(goodbye(0), "goodbye, unregistered");
+  EXPECT_EQ(service->failure(), "");
+
+  std::vector<EventLog> logs(2);
+  auto clients = ConnectAll(service->port(), 2, &logs);
+  ASSERT_NE(clients[0], nullptr);
+  // After: another incarnation than the registered one is refused too.
+  const uint64_t registered = clients[0]->roster()[0].incarnation;
+  expect_refused(report_error(registered + 1), "error report, wrong incarnation");
+  expect_refused(notice(clients[1]->roster()[1].incarnation + 1), "preemption notice, wrong incarnation");
+  expect_refused(goodbye(registered + 1), "goodbye, wrong incarnation");
+  EXPECT_EQ(service->failure(), "");
+  EXPECT_TRUE(clients[0]->Set("k", "v").ok());
+  EXPECT_EQ(*clients[1]->Get("k", absl::Seconds(1)), "v");
+  EXPECT_FALSE(logs[0].WaitFor(CoordinationEvent::Kind::kPreemptionNotice, absl::Milliseconds(300)).has_value());
+  // The real ranks' own calls still work.
+  ASSERT_TRUE(clients[1]->ReportPreemption("SIGTERM").ok());
+  EXPECT_TRUE(logs[0].WaitFor(CoordinationEvent::Kind::kPreemptionNotice, absl::Seconds(5)).has_value());
+  for (auto& c : clients) EXPECT_TRUE(c->Goodbye().ok());
+}
+
 TEST(CoordinationTest, OrderlyShutdownWaitsForEveryRank) {
   auto service = StartService(2);
   std::vector<EventLog> logs(2);
