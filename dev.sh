@@ -7,6 +7,8 @@
 #   ./dev.sh bench [benchmark flags]       Trainer vs hand-written step benchmark
 #   ./dev.sh scaleout [flags]              scale-out suite vs PyTorch DDP (benchmarks/scaleout.sh --help)
 #   ./dev.sh build                         install and build only
+#   ./dev.sh asan  [ctest flags]           unit and multi-rank tests under AddressSanitizer + UBSan (build-asan/)
+#   ./dev.sh tsan  [ctest flags]           the same under ThreadSanitizer (build-tsan/)
 #
 # Environment: BUILD_DIR (default: build), LOCKSTEP_RANKS (default: 2) for train,
 # LOCKSTEP_SKIP_INSTALL=1 to skip apt.
@@ -65,6 +67,26 @@ case "$command" in
   test)
     build
     exec ctest --test-dir "$BUILD_DIR" --output-on-failure --timeout 900 -j 2 "$@" ;;
+  asan | tsan)
+    install_packages
+    dir=build-$command
+    kind=address
+    [[ $command == tsan ]] && kind=thread
+    if [[ ! -f "$dir/build.ninja" ]]; then
+      cmake -S . -B "$dir" -G Ninja -DCMAKE_BUILD_TYPE=RelWithDebInfo -DLOCKSTEP_SANITIZE=$kind \
+            -DLOCKSTEP_BUILD_BENCHMARKS=OFF
+    fi
+    cmake --build "$dir"
+    supp=$PWD/cmake/sanitizers
+    export ASAN_OPTIONS="detect_leaks=1:abort_on_error=1:strict_string_checks=1"
+    # The slow unwinder: stacks through uninstrumented libraries reach the frames that suppressions name.
+    export LSAN_OPTIONS="suppressions=$supp/lsan.supp:print_suppressions=0:fast_unwind_on_malloc=0"
+    export UBSAN_OPTIONS="print_stacktrace=1:halt_on_error=1:suppressions=$supp/ubsan.supp"
+    export TSAN_OPTIONS="halt_on_error=1:second_deadlock_stack=1:suppressions=$supp/tsan.supp"
+    # The unit and multi-rank tests; not the installed-package build, the Slurm
+    # cluster, the end-to-end training run or the benchmark smoke run.
+    export INJECTIONS=${INJECTIONS:-5}  # the chaos test: 5 injections, not 20 (slow under ASan)
+    exec ctest --test-dir "$dir" --output-on-failure --timeout 1800 -j 2 -LE 'install|slurm|e2e|bench_smoke' "$@" ;;
   bench)
     build
     exec "$BUILD_DIR/benchmarks/trainer_step_benchmark" "$@" ;;
@@ -72,7 +94,7 @@ case "$command" in
     build
     BUILD_DIR=$BUILD_DIR exec benchmarks/scaleout.sh --no-build "$@" ;;
   *)
-    sed -n '2,12p' "$0" | sed 's/^# \{0,1\}//'
+    sed -n '2,14p' "$0" | sed 's/^# \{0,1\}//'
     [[ -z "$command" ]] && exit 2
     log "unknown command '$command'"; exit 2 ;;
 esac

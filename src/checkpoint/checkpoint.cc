@@ -488,7 +488,12 @@ void CheckpointManager::ApplyRetention(int64_t committed_step) {
     for (size_t i = 0; i < ranked.size() && static_cast<int>(i) < options_.keep_best; ++i) keep.insert(ranked[i].step);
   }
   for (const Entry& e : entries) {
-    if (!keep.count(e.step) && !e.pinned) fs::remove_all(e.path);
+    if (keep.count(e.step) || e.pinned) continue;
+    // Renamed first (atomic), then deleted: a crash midway leaves a .tmp_ directory
+    // that nothing loads and the next save removes, never a half-deleted step_N.
+    const fs::path doomed = e.path.parent_path() / (std::string(kTmpPrefix) + "deleting_" + e.path.filename().string());
+    fs::rename(e.path, doomed);
+    fs::remove_all(doomed);
   }
 }
 
