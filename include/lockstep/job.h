@@ -234,7 +234,6 @@ class JobEnvironment {
   // Read by the coordination client's thread.
   std::atomic<Communicator*> abort_target_{nullptr};
   std::atomic<PreemptionSyncPoint*> notice_target_{nullptr};
-  std::atomic<bool> early_notice_{false};
   bool finished_ = false;  // Finish or HandleFailure said goodbye
   bool failure_handled_ = false;
   std::optional<std::string> handled_peer_failure_;

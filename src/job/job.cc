@@ -217,7 +217,6 @@ std::unique_ptr<JobEnvironment> JobEnvironment::Create(const JobEnvironmentOptio
   std::unique_ptr<Communicator> mpi = MaybeMakeMpi(runtime);
   env->StartCoordination(mpi.get());
   env->preemption_->AttachClient(env->client_.get());
-  if (env->early_notice_.load()) env->preemption_->NotifyPeer();
 
   // The communicator: null for a world of one, unless NCCL is asked for.
   const bool on_gpu = env->device_.rfind("cuda", 0) == 0;
@@ -326,11 +325,9 @@ void JobEnvironment::StartCoordination(Communicator* bootstrap) {
 // On the coordination client's thread.
 void JobEnvironment::OnCoordinationEvent(const CoordinationEvent& event) {
   if (event.kind == CoordinationEvent::Kind::kPreemptionNotice) {
-    if (PreemptionSyncPoint* target = notice_target_.load(); target != nullptr && client_) {
-      target->NotifyPeer();
-    } else {
-      early_notice_.store(true);  // Create passes it on once the client is attached
-    }
+    // Set before the client connects; NotifyPeer only raises a flag, which the
+    // sync point reads after its client is attached.
+    if (PreemptionSyncPoint* target = notice_target_.load()) target->NotifyPeer();
     return;
   }
   if (event.kind != CoordinationEvent::Kind::kPeerFailed && event.kind != CoordinationEvent::Kind::kCoordinatorLost) {
