@@ -126,8 +126,10 @@ struct CoordinationClientOptions {
   TlsOptions tls;
   // Where the service runs, for messages when it is lost (e.g. "rank 0 (host a)").
   std::string service_owner = "the coordination service";
-  // Called on the client's own thread for every event, first failure included.
-  // Must not call back into the client's blocking methods.
+  // Called for every event, first failure included: on the client's own threads,
+  // or on the thread of a call that learnt of the job's failure first (ABORTED),
+  // so that failure() holds it by the time that call returns. Must not call back
+  // into the client's blocking methods.
   std::function<void(const CoordinationEvent&)> on_event;
 };
 

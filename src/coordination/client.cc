@@ -219,13 +219,23 @@ class Client final : public CoordinationClient {
     context.AddMetadata(kTokenMetadata, options_.token);
   }
 
-  // One unary call with the job's metadata, due within `timeout`.
+  // One unary call with the job's metadata, due within `timeout`. ABORTED means
+  // the job failed (the service says how): recorded as this client's failure
+  // before the call returns, whichever of the call and the event stream hears
+  // of it first.
   template <typename Request, typename Response>
   absl::Status Call(grpc::Status (Stub::*method)(grpc::ClientContext*, const Request&, Response*),
-                    const Request& request, Response& response, absl::Duration timeout) const {
+                    const Request& request, Response& response, absl::Duration timeout) {
     grpc::ClientContext context;
     Prepare(context, timeout);
-    return FromGrpc((stub_.get()->*method)(&context, request, &response));
+    absl::Status status = FromGrpc((stub_.get()->*method)(&context, request, &response));
+    if (status.code() == absl::StatusCode::kAborted) {
+      CoordinationEvent event;
+      event.kind = CoordinationEvent::Kind::kPeerFailed;
+      event.message = std::string(status.message());
+      Fail(event);
+    }
+    return status;
   }
 
   void StopThreads() {
@@ -284,10 +294,7 @@ class Client final : public CoordinationClient {
       if (status.ok()) {
         last_ok = absl::Now();
       } else if (status.code() == absl::StatusCode::kAborted) {
-        CoordinationEvent event;  // the job failed; the service says how
-        event.kind = CoordinationEvent::Kind::kPeerFailed;
-        event.message = std::string(status.message());
-        Fail(event);
+        // The job failed; Call has recorded it.
       } else if (absl::Now() - last_ok > options_.heartbeat_timeout) {
         Fail(ServiceLost(absl::StrFormat("no answer for %.1f s (%s)", absl::ToDoubleSeconds(absl::Now() - last_ok),
                                          status.message())));
