@@ -9,6 +9,8 @@
 #   ./dev.sh build                         install and build only
 #   ./dev.sh asan  [ctest flags]           unit and multi-rank tests under AddressSanitizer + UBSan (build-asan/)
 #   ./dev.sh tsan  [ctest flags]           the same under ThreadSanitizer (build-tsan/)
+#   ./dev.sh fuzz  [SECONDS [TARGET...]]   each libFuzzer target for SECONDS (default 60; build-fuzz/, Clang)
+#   ./dev.sh faults                        the fault suite: faults injected into real jobs, one table
 #
 # Environment: BUILD_DIR (default: build), LOCKSTEP_RANKS (default: 2) for train,
 # LOCKSTEP_SKIP_INSTALL=1 to skip apt.
@@ -25,13 +27,14 @@ PACKAGES=(
   dataset-fashion-mnist python3-torch
   slurm-wlm munge
 )
+FUZZ_PACKAGES=(clang libclang-rt-dev)
 
 log() { printf '[dev.sh] %s\n' "$*" >&2; }
 
 install_packages() {
   [[ "${LOCKSTEP_SKIP_INSTALL:-0}" == 1 ]] && return 0
   local missing=()
-  for pkg in "${PACKAGES[@]}"; do
+  for pkg in "${PACKAGES[@]}" "$@"; do
     if [[ "$(dpkg-query -W -f='${db:Status-Status}' "$pkg" 2>/dev/null)" != installed ]]; then
       missing+=("$pkg")
     fi
@@ -87,6 +90,56 @@ case "$command" in
     # cluster, the end-to-end training run or the benchmark smoke run.
     export INJECTIONS=${INJECTIONS:-5}  # the chaos test: 5 injections, not 20 (slow under ASan)
     exec ctest --test-dir "$dir" --output-on-failure --timeout 1800 -j 2 -LE 'install|slurm|e2e|bench_smoke' "$@" ;;
+  fuzz)
+    # Every target runs its regression inputs (inputs that once failed), then
+    # fuzzes for SECONDS from its seed corpus; new inputs it finds go to
+    # build-fuzz/corpus/<target>, a failing input to build-fuzz/findings/.
+    install_packages "${FUZZ_PACKAGES[@]}"
+    seconds=${1:-60}
+    [[ $# -gt 0 ]] && shift
+    [[ "$seconds" =~ ^[0-9]+$ ]] || { log "fuzz: SECONDS must be a whole number, not '$seconds'"; exit 2; }
+    dir=build-fuzz
+    if [[ ! -f "$dir/build.ninja" ]]; then
+      cmake -S . -B "$dir" -G Ninja -DCMAKE_BUILD_TYPE=RelWithDebInfo -DCMAKE_CXX_COMPILER=clang++ \
+            -DLOCKSTEP_BUILD_FUZZERS=ON -DLOCKSTEP_BUILD_TESTS=OFF -DLOCKSTEP_BUILD_BENCHMARKS=OFF
+    fi
+    cmake --build "$dir" --target lockstep_fuzzers
+    targets=("$@")
+    [[ ${#targets[@]} -eq 0 ]] && targets=(config checkpoint_manifest checkpoint_latest checkpoint_shard idx coordination)
+    supp=$PWD/cmake/sanitizers
+    export ASAN_OPTIONS="abort_on_error=1:detect_leaks=1"
+    export LSAN_OPTIONS="suppressions=$supp/lsan.supp:print_suppressions=0"
+    export UBSAN_OPTIONS="print_stacktrace=1:halt_on_error=1:suppressions=$supp/ubsan.supp"
+    failed=()
+    for target in "${targets[@]}"; do
+      binary=$dir/fuzz/${target}_fuzzer
+      [[ -x "$binary" ]] || { log "fuzz: no target '$target'"; exit 2; }
+      mkdir -p "$dir/corpus/$target" "$dir/findings"
+      regressions=(fuzz/regressions/"$target"/*)
+      if [[ -e "${regressions[0]}" ]]; then
+        log "fuzz $target: ${#regressions[@]} regression inputs"
+        "$binary" "${regressions[@]}" >"$dir/findings/$target.regressions.log" 2>&1 || {
+          tail -30 "$dir/findings/$target.regressions.log"; failed+=("$target (a regression input)"); continue; }
+      fi
+      log "fuzz $target: ${seconds} s"
+      if ! "$binary" -max_total_time="$seconds" -timeout=20 -rss_limit_mb=6144 -print_final_stats=1 \
+           -artifact_prefix="$dir/findings/$target-" "$dir/corpus/$target" "fuzz/corpus/$target" \
+           >"$dir/findings/$target.log" 2>&1; then
+        tail -40 "$dir/findings/$target.log"
+        failed+=("$target")
+      fi
+      grep -E '^stat::number_of_executed_units|^Done [0-9]+ runs' "$dir/findings/$target.log" | tail -1 | sed "s/^/[dev.sh] $target: /" >&2 || true
+    done
+    if [[ ${#failed[@]} -gt 0 ]]; then
+      log "fuzz: findings in ${failed[*]} (inputs in $dir/findings/)"
+      exit 1
+    fi
+    log "fuzz: no findings" ;;
+  faults)
+    build
+    mpirun_cmd=(mpirun --oversubscribe)
+    [[ $(id -u) -eq 0 ]] && mpirun_cmd+=(--allow-run-as-root)
+    exec tests/faults/fault_suite.sh "$PWD" "$BUILD_DIR/lockstep_train" "$BUILD_DIR/lockstep_ckpt" "${mpirun_cmd[@]}" ;;
   bench)
     build
     exec "$BUILD_DIR/benchmarks/trainer_step_benchmark" "$@" ;;
@@ -94,7 +147,7 @@ case "$command" in
     build
     BUILD_DIR=$BUILD_DIR exec benchmarks/scaleout.sh --no-build "$@" ;;
   *)
-    sed -n '2,14p' "$0" | sed 's/^# \{0,1\}//'
+    sed -n '2,16p' "$0" | sed 's/^# \{0,1\}//'
     [[ -z "$command" ]] && exit 2
     log "unknown command '$command'"; exit 2 ;;
 esac

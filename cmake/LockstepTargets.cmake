@@ -9,6 +9,43 @@ if(CMAKE_CXX_COMPILER_ID MATCHES "GNU|Clang")
   add_compile_options("-fmacro-prefix-map=${PROJECT_SOURCE_DIR}/=" "-fmacro-prefix-map=${PROJECT_BINARY_DIR}/=")
 endif()
 
+# ThreadSanitizer cannot see Debian's abseil mutex (built without TSan): every
+# executable is linked with the absl::Mutex entry points our code calls wrapped by
+# cmake/sanitizers/tsan_absl_mutex.cc, which annotates each lock and unlock.
+macro(_lockstep_tsan_absl_mutex)
+  file(STRINGS "${absl_DIR}/../../../../include/absl/base/options.h" _absl_ns
+       REGEX "^#define ABSL_OPTION_INLINE_NAMESPACE_NAME ")
+  if(NOT _absl_ns)
+    file(STRINGS "/usr/include/absl/base/options.h" _absl_ns REGEX "^#define ABSL_OPTION_INLINE_NAMESPACE_NAME ")
+  endif()
+  string(REGEX REPLACE ".* ([A-Za-z0-9_]+)$" "\\1" _absl_ns "${_absl_ns}")
+  if(NOT _absl_ns)
+    message(FATAL_ERROR "LOCKSTEP_SANITIZE=thread needs abseil's inline namespace (absl/base/options.h)")
+  endif()
+  string(LENGTH "${_absl_ns}" _len)
+  set(_m "_ZN4absl${_len}${_absl_ns}5Mutex")
+  set(_c "ERKNS0_9ConditionE")
+  set(_absl_mutex_symbols
+    Lock=${_m}4LockEv Unlock=${_m}6UnlockEv TryLock=${_m}7TryLockEv
+    ReaderLock=${_m}10ReaderLockEv ReaderUnlock=${_m}12ReaderUnlockEv
+    LockWhen=${_m}8LockWhen${_c}
+    LockWhenWithTimeout=${_m}19LockWhenWithTimeout${_c}NS0_8DurationE
+    LockWhenWithDeadline=${_m}20LockWhenWithDeadline${_c}NS0_4TimeE
+    Await=${_m}5Await${_c}
+    AwaitWithTimeout=${_m}16AwaitWithTimeout${_c}NS0_8DurationE
+    AwaitWithDeadline=${_m}17AwaitWithDeadline${_c}NS0_4TimeE)
+  add_library(lockstep_tsan_absl_mutex STATIC "${PROJECT_SOURCE_DIR}/cmake/sanitizers/tsan_absl_mutex.cc")
+  target_link_libraries(lockstep_tsan_absl_mutex PUBLIC absl::synchronization)
+  foreach(_pair IN LISTS _absl_mutex_symbols)
+    string(REPLACE "=" ";" _pair "${_pair}")
+    list(GET _pair 0 _name)
+    list(GET _pair 1 _symbol)
+    target_compile_definitions(lockstep_tsan_absl_mutex PRIVATE LOCKSTEP_ABSL_${_name}=${_symbol})
+    add_link_options("LINKER:--wrap=${_symbol}")
+  endforeach()
+  link_libraries($<BUILD_INTERFACE:lockstep_tsan_absl_mutex>)
+endmacro()
+
 # Sanitizer builds (./dev.sh asan, ./dev.sh tsan): every target of the tree,
 # the precompiled header included, is instrumented; libtorch, Open MPI and gRPC
 # are not (Debian's builds), so findings inside them are suppressed by
@@ -23,9 +60,31 @@ endif()
 if(_sanitize)
   add_compile_options(${_sanitize})
   add_link_options(${_sanitize})
+  if(LOCKSTEP_SANITIZE STREQUAL "thread")
+    _lockstep_tsan_absl_mutex()
+    # TSan does not model std::atomic_thread_fence; the one use (the MPI
+    # communicator's shared-memory all-reduce) orders memory between processes,
+    # which TSan does not see either.
+    add_compile_options(-Wno-tsan)
+  endif()
   # GCC 12's maybe-uninitialized analysis misfires on libstdc++'s <regex> and
   # <functional> under -fsanitize (its instrumentation confuses the analysis).
   add_compile_options(-Wno-maybe-uninitialized)
+endif()
+
+# Fuzzing builds (./dev.sh fuzz): Clang's libFuzzer needs coverage instrumentation
+# in the code under test; ASan + UBSan turn a bad read or undefined behaviour into
+# a finding. Only the fuzz targets link libFuzzer's main.
+if(LOCKSTEP_BUILD_FUZZERS)
+  if(NOT CMAKE_CXX_COMPILER_ID STREQUAL "Clang")
+    message(FATAL_ERROR "LOCKSTEP_BUILD_FUZZERS needs Clang (libFuzzer): configure with -DCMAKE_CXX_COMPILER=clang++")
+  endif()
+  if(_sanitize)
+    message(FATAL_ERROR "LOCKSTEP_BUILD_FUZZERS brings its own sanitizers; leave LOCKSTEP_SANITIZE empty")
+  endif()
+  add_compile_options(-fsanitize=fuzzer-no-link,address,undefined -fno-sanitize-recover=undefined
+                      -fno-omit-frame-pointer)
+  add_link_options(-fsanitize=address,undefined)
 endif()
 
 # Our own code builds with -Wall -Wextra -Werror. Generated code does not take this.

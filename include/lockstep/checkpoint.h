@@ -134,6 +134,11 @@ class CheckpointManager {
   // The newest checkpoint under `directory` whose manifest and shards all check
   // out; each one skipped is described in `skipped` ("<file>: <reason>").
   static std::optional<FoundCheckpoint> FindLatest(const std::string& directory, std::vector<std::string>* skipped);
+  // The step directory that `directory`/latest names (the last committed save), or
+  // nullopt when there is no `latest` file. Throws CheckpointError when the file
+  // cannot be read or does not hold one step directory name ("step_<digits>"): a
+  // garbled or hand-edited `latest` never points outside `directory`.
+  static std::optional<std::string> ReadLatest(const std::string& directory);
   // Checks one step directory: manifest CRC, every shard's size and CRC32C.
   // Throws CheckpointError naming the file and the reason.
   static FoundCheckpoint Validate(const std::string& path);

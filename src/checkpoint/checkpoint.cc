@@ -7,6 +7,7 @@
 #include <fcntl.h>
 #include <caffe2/serialize/inline_container.h>
 #include <torch/csrc/jit/serialization/export.h>
+#include <torch/csrc/jit/serialization/import_read.h>
 #include <torch/csrc/jit/serialization/pickle.h>
 #include <torch/csrc/jit/serialization/pickler.h>
 #include <torch/nn/module.h>
@@ -25,10 +26,13 @@
 #include <sstream>
 #include <unordered_map>
 
+#include "absl/strings/ascii.h"
+#include "absl/strings/escaping.h"
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
 #include "absl/strings/str_split.h"
+#include "absl/strings/strip.h"
 #include "lockstep/agreement.h"
 #include "lockstep/coordination.h"
 #include "lockstep/hashing.h"
@@ -170,6 +174,39 @@ std::optional<int64_t> StepOfDirName(const std::string& name, const std::string&
   int64_t step = 0;
   if (!absl::SimpleAtoi(name.substr(prefix.size()), &step) || step < 0) return std::nullopt;
   return step;
+}
+
+// A shard's bytes for libtorch's zip reader, refusing reads past the end: the
+// memory adapter that torch::jit::pickle_load uses copies whatever a zip
+// directory asks for, so a shard whose CRC matches but whose zip directory lies
+// (hand-made, or damaged and then rechecksummed) read out of bounds (found by
+// fuzz/checkpoint_shard_fuzzer). A short read makes the zip reader fail instead.
+class BoundedReadAdapter final : public caffe2::serialize::ReadAdapterInterface {
+ public:
+  explicit BoundedReadAdapter(const std::string& bytes) : bytes_(bytes) {}
+  size_t size() const override { return bytes_.size(); }
+  size_t read(uint64_t pos, void* buf, size_t n, const char* /*what*/) const override {
+    if (pos >= bytes_.size()) return 0;
+    n = static_cast<size_t>(std::min<uint64_t>(n, bytes_.size() - pos));
+    std::memcpy(buf, bytes_.data() + pos, n);
+    return n;
+  }
+
+ private:
+  const std::string& bytes_;
+};
+
+// What torch::jit::pickle_save wrote (pickle_load, through BoundedReadAdapter).
+c10::IValue LoadPickled(const std::string& bytes) {
+  caffe2::serialize::PyTorchStreamReader reader(std::make_shared<BoundedReadAdapter>(bytes));
+  return torch::jit::readArchiveAndTensors("data", /*pickle_prefix=*/"", /*tensor_prefix=*/"", c10::nullopt,
+                                           c10::nullopt, c10::nullopt, reader);
+}
+
+// A shard's file name in a manifest: one plain name inside the step directory.
+bool IsShardFileName(const std::string& name) {
+  return !name.empty() && name.size() <= 255 && name != "." && name != ".." &&
+         name.find_first_of(std::string("/\0", 2)) == std::string::npos;
 }
 
 checkpoint::Manifest ReadManifest(const std::string& dir) {
@@ -497,15 +534,47 @@ void CheckpointManager::ApplyRetention(int64_t committed_step) {
   }
 }
 
+std::optional<std::string> CheckpointManager::ReadLatest(const std::string& directory) {
+  const fs::path file = fs::path(directory) / kLatestFile;
+  std::error_code error;
+  const fs::file_status status = fs::status(file, error);
+  if (status.type() == fs::file_type::not_found) return std::nullopt;
+  if (error) throw CheckpointError(absl::StrCat(file.string(), ": cannot read it (", error.message(), ")"));
+  if (!fs::is_regular_file(status)) throw CheckpointError(absl::StrCat(file.string(), ": not a file"));
+  constexpr uintmax_t kMaxBytes = 64;  // "step_" and up to 19 digits, with room for a line end
+  const uintmax_t size = fs::file_size(file, error);
+  if (error || size > kMaxBytes) {
+    throw CheckpointError(absl::StrCat(file.string(), ": not a step name (",
+                                       error ? error.message() : absl::StrCat(size, " bytes"), ")"));
+  }
+  const std::string text = ReadFile(file.string(), "latest file");
+  const std::string name(absl::StripTrailingAsciiWhitespace(text));
+  const std::string digits = name.size() > 5 ? name.substr(5) : "";
+  if (name.rfind("step_", 0) != 0 || digits.empty() || digits.size() > 19 ||
+      !std::all_of(digits.begin(), digits.end(), [](char c) { return absl::ascii_isdigit(c); }) ||
+      !StepOfDirName(name, "step_")) {
+    throw CheckpointError(
+        absl::StrCat(file.string(), ": does not name a step directory (holds '", absl::CHexEscape(name), "')"));
+  }
+  return (fs::path(directory) / name).string();
+}
+
 FoundCheckpoint CheckpointManager::Validate(const std::string& path) {
   if (!fs::is_directory(path)) throw CheckpointError(absl::StrCat(path, ": not a checkpoint directory"));
   FoundCheckpoint found = ReadManifestOnly(path);
   for (const checkpoint::ShardFile& shard : found.manifest->shards()) {
-    if (shard.path().empty() || shard.path().find('/') != std::string::npos) {
-      throw CheckpointError(absl::StrCat(path, "/", kManifestFile, ": bad shard path '", shard.path(), "'"));
+    if (!IsShardFileName(shard.path())) {
+      throw CheckpointError(absl::StrCat(path, "/", kManifestFile, ": bad shard path '",
+                                         absl::CHexEscape(shard.path()), "'"));
     }
     const std::string file = (fs::path(path) / shard.path()).string();
-    if (!fs::exists(file)) throw CheckpointError(absl::StrCat(file, ": missing (a partial checkpoint)"));
+    std::error_code error;
+    const fs::file_status status = fs::status(file, error);
+    if (status.type() == fs::file_type::not_found) {
+      throw CheckpointError(absl::StrCat(file, ": missing (a partial checkpoint)"));
+    }
+    if (error) throw CheckpointError(absl::StrCat(file, ": cannot read it (", error.message(), ")"));
+    if (!fs::is_regular_file(status)) throw CheckpointError(absl::StrCat(file, ": not a file"));
     const int64_t size = static_cast<int64_t>(fs::file_size(file));
     if (size != shard.bytes()) {
       throw CheckpointError(absl::StrCat(file, ": ", size, " bytes, the manifest says ", shard.bytes(), " (truncated)"));
@@ -570,6 +639,10 @@ ShardExtras CheckpointManager::Restore(const FoundCheckpoint& found, TrainState&
   // Replicated: every shard holds the whole state; a new rank loads rank 0's.
   const int shard_rank = rank_ < manifest.world_size() ? rank_ : 0;
   const checkpoint::ShardFile& shard = manifest.shards(shard_rank);
+  if (!IsShardFileName(shard.path())) {
+    throw CheckpointError(absl::StrCat(found.path, "/", kManifestFile, ": bad shard path '",
+                                       absl::CHexEscape(shard.path()), "'"));
+  }
   const std::string file = (fs::path(found.path) / shard.path()).string();
   const std::string text = ReadFile(file, "shard");
   if (static_cast<int64_t>(text.size()) != shard.bytes() || Crc32c(text.data(), text.size()) != shard.crc32c()) {
@@ -577,71 +650,77 @@ ShardExtras CheckpointManager::Restore(const FoundCheckpoint& found, TrainState&
   }
   c10::IValue loaded;
   try {
-    loaded = torch::jit::pickle_load(std::vector<char>(text.begin(), text.end()));
+    loaded = LoadPickled(text);
   } catch (const c10::Error& e) {
     throw CheckpointError(absl::StrCat(file, ": unreadable shard: ", e.what_without_backtrace()));
   }
-  if (!loaded.isGenericDict()) throw CheckpointError(absl::StrCat(file, ": not a dictionary"));
-  const c10::impl::GenericDict values = loaded.toGenericDict();
-  auto get = [&](const std::string& key) -> c10::IValue {
-    auto it = values.find(key);
-    if (it == values.end()) throw CheckpointError(absl::StrCat(file, ": has no '", key, "' (a different model?)"));
-    return it->value();
-  };
-  auto tensor = [&](const std::string& key, const at::Tensor& like) {
-    at::Tensor t = get(key).toTensor();
-    if (like.defined() && (t.sizes() != like.sizes() || t.scalar_type() != like.scalar_type())) {
-      throw CheckpointError(absl::StrCat(file, ": '", key, "' has shape ", c10::str(t.sizes()), " ",
-                                         c10::toString(t.scalar_type()), ", the model's has ", c10::str(like.sizes()),
-                                         " ", c10::toString(like.scalar_type())));
+  // A shard whose CRC matches but whose content is not what this model saves (a
+  // different program, a hand-made file): values of the wrong kind are c10::Errors.
+  try {
+    if (!loaded.isGenericDict()) throw CheckpointError(absl::StrCat(file, ": not a dictionary"));
+    const c10::impl::GenericDict values = loaded.toGenericDict();
+    auto get = [&](const std::string& key) -> c10::IValue {
+      auto it = values.find(key);
+      if (it == values.end()) throw CheckpointError(absl::StrCat(file, ": has no '", key, "' (a different model?)"));
+      return it->value();
+    };
+    auto tensor = [&](const std::string& key, const at::Tensor& like) {
+      at::Tensor t = get(key).toTensor();
+      if (like.defined() && (t.sizes() != like.sizes() || t.scalar_type() != like.scalar_type())) {
+        throw CheckpointError(absl::StrCat(file, ": '", key, "' has shape ", c10::str(t.sizes()), " ",
+                                           c10::toString(t.scalar_type()), ", the model's has ", c10::str(like.sizes()),
+                                           " ", c10::toString(like.scalar_type())));
+      }
+      return t;
+    };
+    {
+      at::NoGradGuard no_grad;
+      for (const auto& item : state.model->named_parameters()) {
+        item.value().copy_(tensor("model/" + item.key(), item.value()));
+      }
+      for (const auto& item : state.model->named_buffers()) {
+        item.value().copy_(tensor("model/" + item.key(), item.value()));
+      }
     }
-    return t;
-  };
-  {
-    at::NoGradGuard no_grad;
-    for (const auto& item : state.model->named_parameters()) {
-      item.value().copy_(tensor("model/" + item.key(), item.value()));
+    struct Reader final : OptimizerStateReader {
+      const c10::impl::GenericDict& values;
+      const decltype(get)& get_value;
+      const decltype(tensor)& get_tensor;
+      Reader(const c10::impl::GenericDict& v, const decltype(get)& g, const decltype(tensor)& t)
+          : values(v), get_value(g), get_tensor(t) {}
+      bool Has(const std::string& key) const override { return values.find(kOptimizerPrefix + key) != values.end(); }
+      at::Tensor Tensor(const std::string& key, const at::Tensor& like) const override {
+        at::Tensor t = get_tensor(kOptimizerPrefix + key, like);
+        return like.defined() ? t.to(like.device()) : t;
+      }
+      int64_t Int(const std::string& key) const override { return get_value(kOptimizerPrefix + key).toInt(); }
+      std::string Bytes(const std::string& key) const override {
+        return TensorBytes(get_value(kOptimizerPrefix + key).toTensor());
+      }
+    } reader(values, get, tensor);
+    FindOptimizerStateCodec(*state.optimizer)->Restore(*state.optimizer, OptimizerParameters(state), reader);
+    {
+      at::Generator generator = at::detail::getDefaultCPUGenerator();
+      std::lock_guard<std::mutex> lock(generator.mutex());
+      generator.set_state(get("rng/cpu").toTensor().to(at::kCPU).contiguous());
     }
-    for (const auto& item : state.model->named_buffers()) {
-      item.value().copy_(tensor("model/" + item.key(), item.value()));
+    state.step = get("step").toInt();
+    ShardExtras extras;
+    extras.data.epoch = get("data/epoch").toInt();
+    extras.data.batch_in_epoch = get("data/batch_in_epoch").toInt();
+    extras.trainer_state = get("trainer_state").toStringRef();
+    for (const auto& item : values) {
+      const std::string& key = item.key().toStringRef();
+      if (key.rfind(kCustomTensorPrefix, 0) == 0) {
+        extras.custom.tensors[key.substr(sizeof(kCustomTensorPrefix) - 1)] = item.value().toTensor();
+      } else if (key.rfind(kCustomBytesPrefix, 0) == 0) {
+        extras.custom.bytes[key.substr(sizeof(kCustomBytesPrefix) - 1)] = TensorBytes(item.value().toTensor());
+      }
     }
+    return extras;
+  } catch (const c10::Error& e) {
+    throw CheckpointError(absl::StrCat(file, ": unexpected content: ", e.what_without_backtrace()));
   }
-  struct Reader final : OptimizerStateReader {
-    const c10::impl::GenericDict& values;
-    const decltype(get)& get_value;
-    const decltype(tensor)& get_tensor;
-    Reader(const c10::impl::GenericDict& v, const decltype(get)& g, const decltype(tensor)& t)
-        : values(v), get_value(g), get_tensor(t) {}
-    bool Has(const std::string& key) const override { return values.find(kOptimizerPrefix + key) != values.end(); }
-    at::Tensor Tensor(const std::string& key, const at::Tensor& like) const override {
-      at::Tensor t = get_tensor(kOptimizerPrefix + key, like);
-      return like.defined() ? t.to(like.device()) : t;
-    }
-    int64_t Int(const std::string& key) const override { return get_value(kOptimizerPrefix + key).toInt(); }
-    std::string Bytes(const std::string& key) const override {
-      return TensorBytes(get_value(kOptimizerPrefix + key).toTensor());
-    }
-  } reader(values, get, tensor);
-  FindOptimizerStateCodec(*state.optimizer)->Restore(*state.optimizer, OptimizerParameters(state), reader);
-  {
-    at::Generator generator = at::detail::getDefaultCPUGenerator();
-    std::lock_guard<std::mutex> lock(generator.mutex());
-    generator.set_state(get("rng/cpu").toTensor().to(at::kCPU).contiguous());
-  }
-  state.step = get("step").toInt();
-  ShardExtras extras;
-  extras.data.epoch = get("data/epoch").toInt();
-  extras.data.batch_in_epoch = get("data/batch_in_epoch").toInt();
-  extras.trainer_state = get("trainer_state").toStringRef();
-  for (const auto& item : values) {
-    const std::string& key = item.key().toStringRef();
-    if (key.rfind(kCustomTensorPrefix, 0) == 0) {
-      extras.custom.tensors[key.substr(sizeof(kCustomTensorPrefix) - 1)] = item.value().toTensor();
-    } else if (key.rfind(kCustomBytesPrefix, 0) == 0) {
-      extras.custom.bytes[key.substr(sizeof(kCustomBytesPrefix) - 1)] = TensorBytes(item.value().toTensor());
-    }
-  }
-  return extras;
 }
 
 }  // namespace lockstep

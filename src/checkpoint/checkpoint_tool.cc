@@ -15,6 +15,7 @@
 #include <cstdio>
 #include <filesystem>
 #include <fstream>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -102,22 +103,24 @@ int main(int argc, char** argv) {
     }
     (Check(path) ? valid : invalid)++;
   }
-  const fs::path latest = fs::path(dir) / "latest";
   bool latest_ok = true;
   std::string latest_text = "no 'latest' yet";
-  if (fs::exists(latest)) {
-    std::ifstream in(latest);
-    std::string name;
-    std::getline(in, name);
-    name = std::string(absl::StripAsciiWhitespace(name));
-    try {
-      lockstep::CheckpointManager::Validate((fs::path(dir) / name).string());
-      latest_text = "latest -> " + name + " (valid)";
-    } catch (const lockstep::CheckpointError& e) {
-      std::printf("latest -> %s is NOT valid: %s\n", name.c_str(), e.what());
-      latest_text = "latest -> " + name + " (NOT valid)";
-      latest_ok = false;
+  try {
+    if (const std::optional<std::string> latest = lockstep::CheckpointManager::ReadLatest(dir)) {
+      const std::string name = fs::path(*latest).filename().string();
+      try {
+        lockstep::CheckpointManager::Validate(*latest);
+        latest_text = "latest -> " + name + " (valid)";
+      } catch (const lockstep::CheckpointError& e) {
+        std::printf("latest -> %s is NOT valid: %s\n", name.c_str(), e.what());
+        latest_text = "latest -> " + name + " (NOT valid)";
+        latest_ok = false;
+      }
     }
+  } catch (const lockstep::CheckpointError& e) {
+    std::printf("latest is NOT valid: %s\n", e.what());
+    latest_text = "latest (NOT valid)";
+    latest_ok = false;
   }
   std::printf("%s; %d valid, %d invalid, %d unfinished\n", latest_text.c_str(), valid, invalid, unfinished);
   if (valid + invalid == 0) {

@@ -2,8 +2,11 @@
 #ifndef LOCKSTEP_SRC_COORDINATION_COORDINATION_INTERNAL_H_
 #define LOCKSTEP_SRC_COORDINATION_COORDINATION_INTERNAL_H_
 
+#include <memory>
 #include <string>
 #include <utility>
+
+#include <grpcpp/channel.h>
 
 #include "absl/status/statusor.h"
 #include "lockstep/coordination.h"
@@ -18,6 +21,14 @@ inline constexpr char kTokenMetadata[] = "lockstep-token";
 absl::StatusOr<std::pair<std::string, int>> SplitHostPort(const std::string& address);
 // Errors: NOT_FOUND naming `what` and the path.
 absl::StatusOr<std::string> ReadWholeFile(const std::string& path, const std::string& what);
+
+// A service with no listening port, reached only through `channel` (gRPC's
+// in-process transport): for fuzzing the request handlers without a network.
+struct InProcessCoordination {
+  std::unique_ptr<CoordinationService> service;
+  std::shared_ptr<grpc::Channel> channel;
+};
+absl::StatusOr<InProcessCoordination> StartInProcessCoordinationService(const CoordinationServiceOptions& options);
 
 PeerInfo FromProto(const coordination::PeerInfo& peer);
 coordination::PeerInfo ToProto(const PeerInfo& peer);

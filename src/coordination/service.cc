@@ -40,11 +40,22 @@ std::string Seconds(absl::Duration d) { return absl::StrFormat("%.1f s", absl::T
 
 class Service final : public pb::Coordination::Service, public CoordinationService {
  public:
-  explicit Service(const CoordinationServiceOptions& options) : options_(options), ranks_(options.world_size) {}
+  Service(const CoordinationServiceOptions& options, bool in_process)
+      : options_(options), in_process_(in_process), ranks_(options.world_size) {}
 
   ~Service() override { Shutdown(absl::ZeroDuration()); }
 
   absl::Status Start() {
+    if (in_process_) {
+      grpc::ServerBuilder builder;
+      builder.SetMaxReceiveMessageSize(static_cast<int>(options_.max_message_bytes));
+      builder.SetMaxSendMessageSize(static_cast<int>(options_.max_message_bytes));
+      builder.RegisterService(this);
+      server_ = builder.BuildAndStart();
+      if (!server_) return absl::InternalError("coordination service: cannot start an in-process server");
+      monitor_ = std::thread([this] { MonitorHeartbeats(); });
+      return absl::OkStatus();
+    }
     auto split = SplitHostPort(options_.address);
     if (!split.ok()) return split.status();
     const std::string listen = options_.bind_all ? absl::StrCat("0.0.0.0:", split->second) : options_.address;
@@ -79,6 +90,13 @@ class Service final : public pb::Coordination::Service, public CoordinationServi
   }
 
   int port() const override { return port_; }
+
+  std::shared_ptr<grpc::Channel> InProcessChannel() {
+    grpc::ChannelArguments args;
+    args.SetMaxReceiveMessageSize(static_cast<int>(options_.max_message_bytes));
+    args.SetMaxSendMessageSize(static_cast<int>(options_.max_message_bytes));
+    return server_->InProcessChannel(args);
+  }
 
   std::string failure() const override {
     absl::MutexLock lock(&mu_);
@@ -482,6 +500,7 @@ class Service final : public pb::Coordination::Service, public CoordinationServi
   }
 
   const CoordinationServiceOptions options_;
+  const bool in_process_;  // no listening port: reached through InProcessChannel() only
   std::unique_ptr<grpc::Server> server_;
   int port_ = 0;
   std::thread monitor_;
@@ -507,9 +526,22 @@ absl::StatusOr<std::unique_ptr<CoordinationService>> CoordinationService::Start(
   if (options.heartbeat_timeout <= absl::ZeroDuration()) {
     return absl::InvalidArgumentError("coordination service: heartbeat timeout must be positive");
   }
-  auto service = std::make_unique<Service>(options);
+  auto service = std::make_unique<Service>(options, /*in_process=*/false);
   if (absl::Status s = service->Start(); !s.ok()) return s;
   return service;
+}
+
+absl::StatusOr<InProcessCoordination> StartInProcessCoordinationService(const CoordinationServiceOptions& options) {
+  if (options.token.empty()) return absl::InvalidArgumentError("coordination service: the job token is empty");
+  if (options.world_size < 1) {
+    return absl::InvalidArgumentError(absl::StrCat("coordination service: world size ", options.world_size));
+  }
+  auto service = std::make_unique<Service>(options, /*in_process=*/true);
+  if (absl::Status s = service->Start(); !s.ok()) return s;
+  InProcessCoordination result;
+  result.channel = service->InProcessChannel();
+  result.service = std::move(service);
+  return result;
 }
 
 }  // namespace lockstep

@@ -71,21 +71,32 @@ at::Tensor ReadIdxFile(const std::string& path) {
     throw DataError("IDX file '" + path + "' has a truncated or empty header");
   }
   std::vector<int64_t> shape(rank);
+  const size_t offset = 4 + 4 * rank;
+  // The values the header promises, counted so that no product overflows: a header
+  // that promises more than the file holds is refused before anything is allocated.
+  const size_t payload = bytes.size() - offset;
   size_t count = 1;
+  bool too_many = false;
   for (size_t d = 0; d < rank; ++d) {
     shape[d] = BigEndian32(&bytes[4 + 4 * d]);
-    count *= static_cast<size_t>(shape[d]);
+    size_t next = 0;
+    too_many = too_many || __builtin_mul_overflow(count, static_cast<size_t>(shape[d]), &next);
+    count = next;
   }
-  const size_t offset = 4 + 4 * rank;
-  const size_t expected = offset + count * type.bytes;
-  if (bytes.size() != expected) {
-    throw DataError("IDX file '" + path + "' holds " + std::to_string(bytes.size()) +
-                    " bytes but its header says " + std::to_string(expected));
+  size_t value_bytes = 0;
+  too_many = too_many || __builtin_mul_overflow(count, type.bytes, &value_bytes);
+  if (too_many || value_bytes != payload) {
+    std::string dims;
+    for (size_t d = 0; d < rank; ++d) dims += (d ? "x" : "") + std::to_string(shape[d]);
+    throw DataError("IDX file '" + path + "' holds " + std::to_string(payload) + " bytes of values but its header says " +
+                    dims + " values of " + std::to_string(type.bytes) + " bytes");
   }
   at::Tensor out = at::empty(shape, at::TensorOptions().dtype(type.dtype));
   auto* dst = static_cast<uint8_t*>(out.data_ptr());
   const uint8_t* src = bytes.data() + offset;
-  if (type.bytes == 1) {
+  if (count == 0) {
+    // No values: an empty tensor has no storage to copy into.
+  } else if (type.bytes == 1) {
     std::memcpy(dst, src, count);
   } else {  // big-endian on disk
     for (size_t i = 0; i < count; ++i) {
