@@ -41,7 +41,9 @@ macro(_lockstep_tsan_absl_mutex)
     list(GET _pair 0 _name)
     list(GET _pair 1 _symbol)
     target_compile_definitions(lockstep_tsan_absl_mutex PRIVATE LOCKSTEP_ABSL_${_name}=${_symbol})
-    add_link_options("LINKER:--wrap=${_symbol}")
+    # --undefined: the wrappers are linked in even where only a shared library
+    # (gRPC) calls the mutex, which --wrap redirects too.
+    add_link_options("LINKER:--wrap=${_symbol}" "LINKER:--undefined=__wrap_${_symbol}")
   endforeach()
   link_libraries($<BUILD_INTERFACE:lockstep_tsan_absl_mutex>)
 endmacro()

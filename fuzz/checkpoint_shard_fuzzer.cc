@@ -56,7 +56,8 @@ Fixture& GetFixture() {
     model.hidden_units = 8;
     model.num_classes = 3;
     f->state.model = lockstep::BuildModel(model).module;
-    f->state.optimizer = std::make_shared<torch::optim::Adam>(f->state.model->parameters(), torch::optim::AdamOptions(0.01));
+    f->state.optimizer =
+        std::make_shared<torch::optim::Adam>(f->state.model->parameters(), torch::optim::AdamOptions(0.01));
     lockstep::CheckpointOptions options;
     options.directory = (lockstep::fuzz::ScratchDir() / "checkpoints").string();
     options.async = false;
@@ -65,7 +66,8 @@ Fixture& GetFixture() {
     f->manager = std::make_unique<lockstep::CheckpointManager>(options, /*rank=*/0, /*world_size=*/1, nullptr);
     f->state.step = 5;
     f->manager->Save(f->state, lockstep::ShardExtras{}, {});
-    const std::optional<lockstep::FoundCheckpoint> found = lockstep::CheckpointManager::FindLatest(options.directory, nullptr);
+    const std::optional<lockstep::FoundCheckpoint> found =
+        lockstep::CheckpointManager::FindLatest(options.directory, nullptr);
     if (!found) {
       std::fprintf(stderr, "fuzz harness: the fixture's own checkpoint is not valid\n");
       std::abort();

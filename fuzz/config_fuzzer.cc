@@ -4,8 +4,8 @@
 // the text parser) is also applied as a --set override, so the configs under
 // configs/ are seeds as they are. Properties: any input is a config or an error
 // with a message, never a crash; a config that validates prints as text that parses
-// back to an equivalent config (defaults spelt out) and validates again; the conversions to options that the
-// job runs after validation do not throw.
+// back to an equivalent config (defaults spelt out) and validates again; the
+// conversions to options that the job runs after validation do not throw.
 #include <google/protobuf/util/message_differencer.h>
 
 #include <cstdint>

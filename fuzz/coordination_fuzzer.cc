@@ -5,9 +5,10 @@
 // authentication (right token, wrong token, none) and its fields.
 //
 // Properties: no call crashes or hangs the service; a call without the job's token
-// is refused (UNAUTHENTICATED, or by gRPC when it does not parse); a per-rank call (heartbeat, error report,
-// preemption notice, goodbye) succeeds only from the incarnation that registered
-// the rank; the job is failed only by an error report that was accepted.
+// is refused (UNAUTHENTICATED, or by gRPC when it does not parse); a per-rank call
+// (heartbeat, error report, preemption notice, goodbye) succeeds only from the
+// incarnation that registered the rank; the job is failed only by an error report
+// that was accepted.
 #include <fuzzer/FuzzedDataProvider.h>
 #include <grpcpp/client_context.h>
 #include <grpcpp/support/status.h>

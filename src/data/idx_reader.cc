@@ -88,8 +88,9 @@ at::Tensor ReadIdxFile(const std::string& path) {
   if (too_many || value_bytes != payload) {
     std::string dims;
     for (size_t d = 0; d < rank; ++d) dims += (d ? "x" : "") + std::to_string(shape[d]);
-    throw DataError("IDX file '" + path + "' holds " + std::to_string(payload) + " bytes of values but its header says " +
-                    dims + " values of " + std::to_string(type.bytes) + " bytes");
+    throw DataError("IDX file '" + path + "' holds " + std::to_string(payload) +
+                    " bytes of values but its header says " + dims + " values of " + std::to_string(type.bytes) +
+                    " bytes");
   }
   at::Tensor out = at::empty(shape, at::TensorOptions().dtype(type.dtype));
   auto* dst = static_cast<uint8_t*>(out.data_ptr());

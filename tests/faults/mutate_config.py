@@ -44,8 +44,8 @@ def mutate(lines, rng):
                         for _ in range(rng.randrange(1, 12)))
         pos = rng.randrange(len(line) + 1)
         lines[i] = line[:pos] + noise + line[pos:]
-    else:
-        lines.insert(i, rng.choice(["model { hidden_units: %s }" % rng.choice(NUMBERS),
+    else:  # a top-level field appended (later fields win), so that it reaches validation
+        lines.append(rng.choice(["model { hidden_units: %s }" % rng.choice(NUMBERS),
                                     "optimizer { learning_rate: %s }" % rng.choice(NUMBERS),
                                     "data { global_batch_size: %s }" % rng.choice(NUMBERS),
                                     "checkpoint { keep_last: %s }" % rng.choice(NUMBERS),

@@ -217,6 +217,36 @@ TEST(CheckpointTest, CorruptTruncatedAndPartialCheckpointsAreSkippedAndNamed) {
               ::testing::ThrowsMessage<CheckpointError>(HasSubstr("does not match its manifest")));
 }
 
+// The `latest` file names a step directory of its own checkpoints directory, or is
+// refused naming what it holds (fuzz/checkpoint_latest_fuzzer checks the same).
+TEST(CheckpointTest, LatestNamesOnlyAStepDirectoryOfItsDirectory) {
+  TempDir dir;
+  EXPECT_EQ(CheckpointManager::ReadLatest(dir.path()), std::nullopt);
+  auto write_latest = [&](const std::string& text) { std::ofstream(dir.file("latest"), std::ios::binary) << text; };
+  write_latest("step_00000010\n");
+  EXPECT_EQ(CheckpointManager::ReadLatest(dir.path()), dir.file("step_00000010"));
+  const std::vector<std::string> bad_names = {"../step_00000010", "/etc", "step_", "step_1/../..",
+                                              "step_-3", "", "\x01\x02", std::string(300, 'x')};
+  for (const std::string& bad : bad_names) {
+    write_latest(bad);
+    EXPECT_THAT([&] { CheckpointManager::ReadLatest(dir.path()); },
+                ::testing::ThrowsMessage<CheckpointError>(HasSubstr("latest"))) << bad;
+  }
+}
+
+// A manifest naming '..' or a directory as a shard is refused as a CheckpointError
+// (it was a std::filesystem error that nothing caught, found by
+// fuzz/checkpoint_manifest_fuzzer's kind of input).
+TEST(CheckpointTest, AShardThatIsNotAPlainFileIsRefused) {
+  TempDir dir;
+  SaveSteps(dir.path(), 1);
+  const std::string step = dir.file(CheckpointDirName(1));
+  fs::remove(step + "/shard_00000.pt");
+  fs::create_directory(step + "/shard_00000.pt");
+  EXPECT_THAT([&] { CheckpointManager::Validate(step); },
+              ::testing::ThrowsMessage<CheckpointError>(HasSubstr("shard_00000.pt: not a file")));
+}
+
 TEST(CheckpointTest, KeepsTheLastKTheBestMAndPinned) {
   TempDir dir;
   CheckpointOptions options = Options(dir.path());

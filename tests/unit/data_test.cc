@@ -77,6 +77,22 @@ TEST(IdxReaderTest, RejectsMalformedFiles) {
               ::testing::ThrowsMessage<DataError>(HasSubstr("missing.gz")));
 }
 
+// Found by fuzz/idx_fuzzer: a header whose dimensions multiply past 2^64 once
+// wrapped around to the file's size; no values at all copied into a null pointer.
+TEST(IdxReaderTest, HeadersThatOverflowOrHoldNoValues) {
+  TempDir dir;
+  // 2^32-1 x 2^32-1 x 2^32-1 x 2 values wraps around; so does 2^33 x 2^31 bytes.
+  WritePlain(dir.file("overflow"), IdxBytes(0x08, {0xFFFFFFFFu, 0xFFFFFFFFu, 0xFFFFFFFFu, 2}, "ab"));
+  WritePlain(dir.file("wraps"), IdxBytes(0x0E, {0x80000000u, 0x80000000u, 4}, ""));
+  EXPECT_THAT([&] { ReadIdxFile(dir.file("overflow")); },
+              ::testing::ThrowsMessage<DataError>(HasSubstr("4294967295x4294967295x4294967295x2 values")));
+  EXPECT_THAT([&] { ReadIdxFile(dir.file("wraps")); }, ::testing::ThrowsMessage<DataError>(HasSubstr("header says")));
+  WritePlain(dir.file("empty"), IdxBytes(0x0D, {3, 0}, ""));
+  const at::Tensor t = ReadIdxFile(dir.file("empty"));
+  EXPECT_EQ(t.sizes(), (std::vector<int64_t>{3, 0}));
+  EXPECT_EQ(t.scalar_type(), at::kFloat);
+}
+
 TEST(FashionMnistTest, LoadsBothSplitsFromTheDebianPackage) {
   const std::string dir = "/usr/share/datasets/fashion-mnist";
   if (!std::filesystem::exists(dir + "/t10k-images-idx3-ubyte.gz")) {
