@@ -69,6 +69,22 @@ void Unlocking(Mutex* mu, unsigned flags) {
   __tsan_mutex_post_unlock(mu, flags);
 }
 
+// A condition is evaluated inside the real call, by the waiting thread or by
+// another one on its way out of Unlock, with the mutex held but before (or after)
+// the annotations above: the evaluation acquires and releases the mutex for TSan
+// itself, so that what it reads is ordered with the writers before and after it.
+struct Annotated {
+  Mutex* mu;
+  const Condition* condition;
+};
+
+bool EvalAnnotated(Annotated* a) {
+  __tsan_acquire(a->mu);
+  const bool met = a->condition->Eval();
+  __tsan_release(a->mu);
+  return met;
+}
+
 }  // namespace
 
 extern "C" {
@@ -84,14 +100,20 @@ void WrapReaderLock(Mutex* mu) { RealReaderLock(mu); Locked(mu, __tsan_mutex_rea
 void WrapReaderUnlock(Mutex* mu) { Unlocking(mu, __tsan_mutex_read_lock); RealReaderUnlock(mu); }
 
 // LockWhen*: the mutex is held on return whatever the result.
-void WrapLockWhen(Mutex* mu, const Condition& c) { RealLockWhen(mu, c); Locked(mu, 0); }
+void WrapLockWhen(Mutex* mu, const Condition& c) {
+  Annotated a{mu, &c};
+  RealLockWhen(mu, Condition(&EvalAnnotated, &a));
+  Locked(mu, 0);
+}
 bool WrapLockWhenWithTimeout(Mutex* mu, const Condition& c, Duration d) {
-  const bool met = RealLockWhenWithTimeout(mu, c, d);
+  Annotated a{mu, &c};
+  const bool met = RealLockWhenWithTimeout(mu, Condition(&EvalAnnotated, &a), d);
   Locked(mu, 0);
   return met;
 }
 bool WrapLockWhenWithDeadline(Mutex* mu, const Condition& c, Time t) {
-  const bool met = RealLockWhenWithDeadline(mu, c, t);
+  Annotated a{mu, &c};
+  const bool met = RealLockWhenWithDeadline(mu, Condition(&EvalAnnotated, &a), t);
   Locked(mu, 0);
   return met;
 }
@@ -99,18 +121,21 @@ bool WrapLockWhenWithDeadline(Mutex* mu, const Condition& c, Time t) {
 // Await*: held on entry, released while waiting, held again on return.
 void WrapAwait(Mutex* mu, const Condition& c) {
   Unlocking(mu, 0);
-  RealAwait(mu, c);
+  Annotated a{mu, &c};
+  RealAwait(mu, Condition(&EvalAnnotated, &a));
   Locked(mu, 0);
 }
 bool WrapAwaitWithTimeout(Mutex* mu, const Condition& c, Duration d) {
   Unlocking(mu, 0);
-  const bool met = RealAwaitWithTimeout(mu, c, d);
+  Annotated a{mu, &c};
+  const bool met = RealAwaitWithTimeout(mu, Condition(&EvalAnnotated, &a), d);
   Locked(mu, 0);
   return met;
 }
 bool WrapAwaitWithDeadline(Mutex* mu, const Condition& c, Time t) {
   Unlocking(mu, 0);
-  const bool met = RealAwaitWithDeadline(mu, c, t);
+  Annotated a{mu, &c};
+  const bool met = RealAwaitWithDeadline(mu, Condition(&EvalAnnotated, &a), t);
   Locked(mu, 0);
   return met;
 }
