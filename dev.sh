@@ -108,7 +108,9 @@ case "$command" in
     [[ ${#targets[@]} -eq 0 ]] && targets=(config checkpoint_manifest checkpoint_latest checkpoint_shard idx coordination)
     supp=$PWD/cmake/sanitizers
     export ASAN_OPTIONS="abort_on_error=1:detect_leaks=1"
-    export LSAN_OPTIONS="suppressions=$supp/lsan.supp:print_suppressions=0"
+    # LeakSanitizer takes one file: the ASan lane's suppressions and the fuzzers' own.
+    cat "$supp/lsan.supp" "$supp/lsan_fuzz.supp" > "$dir/lsan.supp"
+    export LSAN_OPTIONS="suppressions=$PWD/$dir/lsan.supp:print_suppressions=0"
     export UBSAN_OPTIONS="print_stacktrace=1:halt_on_error=1:suppressions=$supp/ubsan.supp"
     failed=()
     for target in "${targets[@]}"; do

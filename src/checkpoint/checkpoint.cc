@@ -203,6 +203,35 @@ c10::IValue LoadPickled(const std::string& bytes) {
                                            c10::nullopt, c10::nullopt, reader);
 }
 
+// A tensor from a loaded shard, refused unless its sizes, strides and offset stay
+// inside its storage: libtorch's unpickler takes them from the file as they are, so
+// a hand-made shard could describe a tensor that reads past its data (a crash in
+// the first copy; found by fuzz/checkpoint_shard_fuzzer).
+at::Tensor InBounds(const at::Tensor& t, const std::string& file, const std::string& key) {
+  auto refuse = [&](const std::string& why) {
+    return CheckpointError(absl::StrCat(file, ": '", key, "' ", why, " (a damaged or hand-made shard)"));
+  };
+  if (!t.defined()) throw refuse("is an undefined tensor");
+  if (t.is_sparse() || t.is_quantized() || !t.device().is_cpu()) throw refuse("is not a dense CPU tensor");
+  if (t.numel() == 0) return t;
+  if (!t.has_storage() || t.storage().data() == nullptr) throw refuse("has no data");
+  int64_t last = t.storage_offset();
+  if (last < 0) throw refuse("starts before its storage");
+  for (int64_t d = 0; d < t.dim(); ++d) {
+    if (t.stride(d) < 0) throw refuse("has a negative stride");
+    int64_t step = 0;
+    if (__builtin_mul_overflow(t.size(d) - 1, t.stride(d), &step) || __builtin_add_overflow(last, step, &last)) {
+      throw refuse("has sizes and strides that overflow");
+    }
+  }
+  int64_t bytes = 0;
+  if (__builtin_mul_overflow(last + 1, static_cast<int64_t>(t.element_size()), &bytes) ||
+      bytes > static_cast<int64_t>(t.storage().nbytes())) {
+    throw refuse(absl::StrCat("extends past its data (", t.storage().nbytes(), " bytes)"));
+  }
+  return t;
+}
+
 // A shard's file name in a manifest: one plain name inside the step directory.
 bool IsShardFileName(const std::string& name) {
   return !name.empty() && name.size() <= 255 && name != "." && name != ".." &&
@@ -653,6 +682,10 @@ ShardExtras CheckpointManager::Restore(const FoundCheckpoint& found, TrainState&
     loaded = LoadPickled(text);
   } catch (const c10::Error& e) {
     throw CheckpointError(absl::StrCat(file, ": unreadable shard: ", e.what_without_backtrace()));
+  } catch (const std::exception& e) {
+    // libtorch's unpickler also throws standard exceptions (std::out_of_range on a
+    // memo index past its table; found by fuzz/checkpoint_shard_fuzzer).
+    throw CheckpointError(absl::StrCat(file, ": unreadable shard: ", e.what()));
   }
   // A shard whose CRC matches but whose content is not what this model saves (a
   // different program, a hand-made file): values of the wrong kind are c10::Errors.
@@ -665,7 +698,7 @@ ShardExtras CheckpointManager::Restore(const FoundCheckpoint& found, TrainState&
       return it->value();
     };
     auto tensor = [&](const std::string& key, const at::Tensor& like) {
-      at::Tensor t = get(key).toTensor();
+      at::Tensor t = InBounds(get(key).toTensor(), file, key);
       if (like.defined() && (t.sizes() != like.sizes() || t.scalar_type() != like.scalar_type())) {
         throw CheckpointError(absl::StrCat(file, ": '", key, "' has shape ", c10::str(t.sizes()), " ",
                                            c10::toString(t.scalar_type()), ", the model's has ", c10::str(like.sizes()),
@@ -695,14 +728,14 @@ ShardExtras CheckpointManager::Restore(const FoundCheckpoint& found, TrainState&
       }
       int64_t Int(const std::string& key) const override { return get_value(kOptimizerPrefix + key).toInt(); }
       std::string Bytes(const std::string& key) const override {
-        return TensorBytes(get_value(kOptimizerPrefix + key).toTensor());
+        return TensorBytes(get_tensor(kOptimizerPrefix + key, at::Tensor()));
       }
     } reader(values, get, tensor);
     FindOptimizerStateCodec(*state.optimizer)->Restore(*state.optimizer, OptimizerParameters(state), reader);
     {
       at::Generator generator = at::detail::getDefaultCPUGenerator();
       std::lock_guard<std::mutex> lock(generator.mutex());
-      generator.set_state(get("rng/cpu").toTensor().to(at::kCPU).contiguous());
+      generator.set_state(InBounds(get("rng/cpu").toTensor(), file, "rng/cpu").to(at::kCPU).contiguous());
     }
     state.step = get("step").toInt();
     ShardExtras extras;
@@ -712,14 +745,19 @@ ShardExtras CheckpointManager::Restore(const FoundCheckpoint& found, TrainState&
     for (const auto& item : values) {
       const std::string& key = item.key().toStringRef();
       if (key.rfind(kCustomTensorPrefix, 0) == 0) {
-        extras.custom.tensors[key.substr(sizeof(kCustomTensorPrefix) - 1)] = item.value().toTensor();
+        extras.custom.tensors[key.substr(sizeof(kCustomTensorPrefix) - 1)] = InBounds(item.value().toTensor(), file, key);
       } else if (key.rfind(kCustomBytesPrefix, 0) == 0) {
-        extras.custom.bytes[key.substr(sizeof(kCustomBytesPrefix) - 1)] = TensorBytes(item.value().toTensor());
+        extras.custom.bytes[key.substr(sizeof(kCustomBytesPrefix) - 1)] =
+            TensorBytes(InBounds(item.value().toTensor(), file, key));
       }
     }
     return extras;
+  } catch (const CheckpointError&) {
+    throw;
   } catch (const c10::Error& e) {
     throw CheckpointError(absl::StrCat(file, ": unexpected content: ", e.what_without_backtrace()));
+  } catch (const std::exception& e) {
+    throw CheckpointError(absl::StrCat(file, ": unexpected content: ", e.what()));
   }
 }
 

@@ -233,6 +233,11 @@ class Client final : public CoordinationClient {
       CoordinationEvent event;
       event.kind = CoordinationEvent::Kind::kPeerFailed;
       event.message = std::string(status.message());
+      const auto& trailing = context.GetServerTrailingMetadata();
+      if (auto it = trailing.find(kFailedPeerMetadata); it != trailing.end()) {
+        pb::PeerInfo peer;
+        if (peer.ParseFromArray(it->second.data(), static_cast<int>(it->second.size()))) event.peer = FromProto(peer);
+      }
       Fail(event);
     }
     return status;

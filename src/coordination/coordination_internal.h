@@ -16,6 +16,8 @@ namespace lockstep {
 
 inline constexpr char kJobIdMetadata[] = "lockstep-job-id";
 inline constexpr char kTokenMetadata[] = "lockstep-token";
+// Trailing metadata of an ABORTED call: the failed rank, a serialized PeerInfo.
+inline constexpr char kFailedPeerMetadata[] = "lockstep-failed-peer-bin";
 
 // "host:port" or "[v6]:port" -> (host, port). Errors: INVALID_ARGUMENT naming it.
 absl::StatusOr<std::pair<std::string, int>> SplitHostPort(const std::string& address);

@@ -149,7 +149,7 @@ class Service final : public pb::Coordination::Service, public CoordinationServi
     if (auto s = CheckRank(peer.rank()); !s.ok()) return ToGrpc(s);
     const absl::Duration timeout = ClampWait(request->timeout_ms());
     absl::MutexLock lock(&mu_);
-    if (!failure_.empty()) return ToGrpc(absl::AbortedError(failure_));
+    if (!failure_.empty()) return AbortedLocked(context);
     RankState& slot = ranks_[peer.rank()];
     const absl::Time now = absl::Now();
     if (slot.registered && !slot.gone && !slot.dead && slot.info.incarnation != peer.incarnation() &&
@@ -184,7 +184,7 @@ class Service final : public pb::Coordination::Service, public CoordinationServi
       }
       mu_.AwaitWithDeadline(absl::Condition(&ready), std::min(deadline, absl::Now() + kPollSlice));
     }
-    if (!failure_.empty()) return ToGrpc(absl::AbortedError(failure_));
+    if (!failure_.empty()) return AbortedLocked(context);
     if (stopping_) return ToGrpc(absl::UnavailableError("the coordination service is shutting down"));
     for (const RankState& r : ranks_) *response->add_roster() = ToProto(r.info);
     response->set_heartbeat_timeout_ms(absl::ToInt64Milliseconds(options_.heartbeat_timeout));
@@ -200,7 +200,7 @@ class Service final : public pb::Coordination::Service, public CoordinationServi
     if (auto s = CheckRegisteredLocked(context, "heartbeat", request->rank(), request->incarnation()); !s.ok()) {
       return ToGrpc(s);
     }
-    if (!failure_.empty()) return ToGrpc(absl::AbortedError(failure_));
+    if (!failure_.empty()) return AbortedLocked(context);
     slot.last_heartbeat = absl::Now();
     slot.step = request->step();
     return grpc::Status::OK;
@@ -215,7 +215,7 @@ class Service final : public pb::Coordination::Service, public CoordinationServi
                                                                options_.max_value_bytes)));
     }
     absl::MutexLock lock(&mu_);
-    if (!failure_.empty()) return ToGrpc(absl::AbortedError(failure_));
+    if (!failure_.empty()) return AbortedLocked(context);
     auto it = kv_.find(request->kv().key());
     if (it != kv_.end()) {
       if (!request->overwrite()) {
@@ -247,7 +247,7 @@ class Service final : public pb::Coordination::Service, public CoordinationServi
       }
       mu_.AwaitWithDeadline(absl::Condition(&ready), std::min(deadline, absl::Now() + kPollSlice));
     }
-    if (!failure_.empty()) return ToGrpc(absl::AbortedError(failure_));
+    if (!failure_.empty()) return AbortedLocked(context);
     auto it = kv_.find(request->key());
     if (it != kv_.end()) {
       response->set_found(true);
@@ -261,7 +261,7 @@ class Service final : public pb::Coordination::Service, public CoordinationServi
   grpc::Status List(grpc::ServerContext* context, const pb::ListRequest* request, pb::ListResponse* response) override {
     if (auto s = Authenticate(context, "List"); !s.ok()) return ToGrpc(s);
     absl::MutexLock lock(&mu_);
-    if (!failure_.empty()) return ToGrpc(absl::AbortedError(failure_));
+    if (!failure_.empty()) return AbortedLocked(context);
     int64_t bytes = 0;
     for (auto it = kv_.lower_bound(request->prefix()); it != kv_.end() && it->first.rfind(request->prefix(), 0) == 0;
          ++it) {
@@ -283,7 +283,7 @@ class Service final : public pb::Coordination::Service, public CoordinationServi
     if (auto s = Authenticate(context, "Delete"); !s.ok()) return ToGrpc(s);
     if (auto s = CheckKey(request->key()); !s.ok()) return ToGrpc(s);
     absl::MutexLock lock(&mu_);
-    if (!failure_.empty()) return ToGrpc(absl::AbortedError(failure_));
+    if (!failure_.empty()) return AbortedLocked(context);
     response->set_deleted(kv_.erase(request->key()) > 0);
     return grpc::Status::OK;
   }
@@ -297,7 +297,7 @@ class Service final : public pb::Coordination::Service, public CoordinationServi
     }
     const absl::Duration timeout = ClampWait(request->timeout_ms());
     absl::MutexLock lock(&mu_);
-    if (!failure_.empty()) return ToGrpc(absl::AbortedError(failure_));
+    if (!failure_.empty()) return AbortedLocked(context);
     auto [it, inserted] = barriers_.try_emplace(request->name());
     if (inserted && static_cast<int64_t>(barriers_.size()) > options_.max_keys) {
       barriers_.erase(it);
@@ -327,7 +327,7 @@ class Service final : public pb::Coordination::Service, public CoordinationServi
       }
       mu_.AwaitWithDeadline(absl::Condition(&ready), std::min(deadline, absl::Now() + kPollSlice));
     }
-    if (!failure_.empty()) return ToGrpc(absl::AbortedError(failure_));
+    if (!failure_.empty()) return AbortedLocked(context);
     if (!complete()) return ToGrpc(absl::UnavailableError("the coordination service is shutting down"));
     return grpc::Status::OK;
   }
@@ -480,9 +480,18 @@ class Service final : public pb::Coordination::Service, public CoordinationServi
     event.set_sequence(static_cast<int64_t>(events_.size()));
   }
 
+  // ABORTED with the job's failure, and the failed rank in the trailing metadata
+  // (kFailedPeerMetadata), so that a client that hears of it from a call knows who
+  // failed as well as one that hears of it from the event stream.
+  grpc::Status AbortedLocked(grpc::ServerContext* context) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
+    context->AddTrailingMetadata(kFailedPeerMetadata, ToProto(failed_peer_).SerializeAsString());
+    return ToGrpc(absl::AbortedError(failure_));
+  }
+
   void FailLocked(const PeerInfo& peer, const std::string& message) {
     if (!failure_.empty()) return;  // the first failure is the one that matters
     failure_ = message;
+    failed_peer_ = peer;
     std::fprintf(stderr, "coordination service: %s\n", message.c_str());
     PushEventLocked(pb::Event::PEER_FAILED, peer, message);
   }
@@ -516,6 +525,7 @@ class Service final : public pb::Coordination::Service, public CoordinationServi
   bool world_complete_ ABSL_GUARDED_BY(mu_) = false;
   bool stopping_ ABSL_GUARDED_BY(mu_) = false;
   std::string failure_ ABSL_GUARDED_BY(mu_);
+  PeerInfo failed_peer_ ABSL_GUARDED_BY(mu_);
   std::map<std::string, std::string> kv_ ABSL_GUARDED_BY(mu_);
   std::map<std::string, std::vector<int64_t>> barriers_ ABSL_GUARDED_BY(mu_);
   std::vector<pb::Event> events_ ABSL_GUARDED_BY(mu_);

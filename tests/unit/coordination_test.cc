@@ -22,6 +22,7 @@
 #include <thread>
 #include <vector>
 
+#include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 #include "absl/synchronization/mutex.h"
 #include "absl/synchronization/notification.h"
@@ -570,7 +571,16 @@ void SpawnCoordinator(const std::vector<std::string>& extra_args, SpawnedCoordin
   std::vector<char*> argv;
   for (auto& a : args) argv.push_back(a.data());
   argv.push_back(nullptr);
-  std::vector<char*> envp = {const_cast<char*>(token_env.c_str()), nullptr};
+  std::vector<char*> envp = {const_cast<char*>(token_env.c_str())};
+  // The sanitizer lanes' options (suppressions) reach the coordinator too.
+  for (char** e = environ; *e != nullptr; ++e) {
+    const absl::string_view var(*e);
+    if (absl::StartsWith(var, "ASAN_OPTIONS=") || absl::StartsWith(var, "LSAN_OPTIONS=") ||
+        absl::StartsWith(var, "UBSAN_OPTIONS=") || absl::StartsWith(var, "TSAN_OPTIONS=")) {
+      envp.push_back(*e);
+    }
+  }
+  envp.push_back(nullptr);
   const int spawn = posix_spawn(&spawned.pid, binary.c_str(), &actions, nullptr, argv.data(), envp.data());
   posix_spawn_file_actions_destroy(&actions);
   close(out[1]);
