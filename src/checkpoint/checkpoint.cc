@@ -735,7 +735,16 @@ ShardExtras CheckpointManager::Restore(const FoundCheckpoint& found, TrainState&
     {
       at::Generator generator = at::detail::getDefaultCPUGenerator();
       std::lock_guard<std::mutex> lock(generator.mutex());
-      generator.set_state(InBounds(get("rng/cpu").toTensor(), file, "rng/cpu").to(at::kCPU).contiguous());
+      const at::Tensor rng = InBounds(get("rng/cpu").toTensor(), file, "rng/cpu").contiguous();
+      // libtorch's set_state trusts the state's layout (a crash on a wrong one;
+      // found by fuzz/checkpoint_shard_fuzzer): it must be what get_state gives.
+      const at::Tensor expected = generator.get_state();
+      if (rng.scalar_type() != expected.scalar_type() || rng.sizes() != expected.sizes()) {
+        throw CheckpointError(absl::StrCat(file, ": 'rng/cpu' is not a CPU generator state (", c10::str(rng.sizes()), " ",
+                                           c10::toString(rng.scalar_type()), ", expected ", c10::str(expected.sizes()),
+                                           " ", c10::toString(expected.scalar_type()), ")"));
+      }
+      generator.set_state(rng);
     }
     state.step = get("step").toInt();
     ShardExtras extras;
