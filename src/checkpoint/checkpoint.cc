@@ -8,6 +8,7 @@
 #include <caffe2/serialize/inline_container.h>
 #include <torch/csrc/jit/serialization/export.h>
 #include <torch/csrc/jit/serialization/import_read.h>
+#include <torch/csrc/jit/serialization/storage_context.h>
 #include <torch/csrc/jit/serialization/pickle.h>
 #include <torch/csrc/jit/serialization/pickler.h>
 #include <torch/nn/module.h>
@@ -197,10 +198,25 @@ class BoundedReadAdapter final : public caffe2::serialize::ReadAdapterInterface 
 };
 
 // What torch::jit::pickle_save wrote (pickle_load, through BoundedReadAdapter).
+// Every tensor record is read first and handed to the unpickler as a storage of
+// the record's real size: left to itself, libtorch sizes a storage by what the
+// pickle claims and fills it from a record that may be shorter, so that a
+// hand-made shard reads past its data (a crash in CPUGeneratorImpl::set_state;
+// found by fuzz/checkpoint_shard_fuzzer). InBounds then checks each tensor against
+// the real size.
 c10::IValue LoadPickled(const std::string& bytes) {
   caffe2::serialize::PyTorchStreamReader reader(std::make_shared<BoundedReadAdapter>(bytes));
+  auto storages = std::make_shared<torch::jit::DeserializationStorageContext>();
+  constexpr char kTensorDir[] = "data/";
+  for (const std::string& name : reader.getAllRecords()) {
+    if (name.rfind(kTensorDir, 0) != 0 || name.size() == sizeof(kTensorDir) - 1) continue;
+    auto [data, size] = reader.getRecord(name);
+    storages->addStorage(name.substr(sizeof(kTensorDir) - 1),
+                         c10::Storage(c10::Storage::use_byte_size_t(), size, std::move(data), nullptr, false));
+  }
   return torch::jit::readArchiveAndTensors("data", /*pickle_prefix=*/"", /*tensor_prefix=*/"", c10::nullopt,
-                                           c10::nullopt, c10::nullopt, reader);
+                                           c10::nullopt, c10::nullopt, reader,
+                                           torch::jit::Unpickler::defaultTypeParser, storages);
 }
 
 // A tensor from a loaded shard, refused unless its sizes, strides and offset stay
