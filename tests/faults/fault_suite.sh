@@ -121,6 +121,33 @@ peer_fault() {  # peer_fault KILL|STOP
   row "$2" "$trials" "$survived" "$lost" "$worst"
 }
 
+# signal_running_job DIR FLAGS SIGNAL BOUND: starts a 2-rank job (log: DIR/first.log),
+# waits for its first step and a random moment after it, sends SIGNAL to a random
+# rank and waits (at most BOUND seconds) for mpirun to end. Sets job_pids,
+# job_code (mpirun's exit code) and job_took (seconds from the signal to the
+# exit); returns 1 when the job never ran or did not end within BOUND (both
+# already recorded as problems).
+signal_running_job() {
+  local dir=$1 flags=$2 signal=$3 bound=$4
+  "${mpirun[@]}" -np 2 "$train" --set="$flags,output_dir=$dir/run" > "$dir/first.log" 2>&1 &
+  local launcher=$!
+  for _ in $(seq 1 600); do grep -q '^Step ' "$dir/first.log" 2>/dev/null && break; sleep 0.05; done
+  sleep "0.$((RANDOM % 10))$((RANDOM % 10))"
+  job_pids=($(pgrep -P $launcher -f lockstep_train))
+  if [[ ${#job_pids[@]} -ne 2 ]]; then
+    problem "$dir" "the job was not running"; kill -9 $launcher "${job_pids[@]}" 2>/dev/null; wait $launcher; return 1
+  fi
+  local at ended=0
+  at=$(now)
+  kill -s "$signal" "${job_pids[$((RANDOM % 2))]}"
+  wait_gone $launcher "$bound" ||
+    { ended=1; problem "$dir" "still running $bound s after SIG$signal"; kill -9 "${job_pids[@]}" $launcher; }
+  wait $launcher
+  job_code=$?
+  job_took=$(elapsed "$at" "$(now)")
+  return $ended
+}
+
 # --- SIGTERM / SIGUSR1 to a random rank at a random step, then resume ---
 preemption() {
   local survived=0 lost=0 worst="" total=400
@@ -129,19 +156,10 @@ preemption() {
     local dir=$work/preempt.$trial ok=1 signal=TERM
     (( trial % 2 == 0 )) && signal=USR1
     mkdir -p "$dir"
-    "${mpirun[@]}" -np 2 "$train" --set="$flags,output_dir=$dir/run" > "$dir/first.log" 2>&1 &
-    local launcher=$!
-    for _ in $(seq 1 600); do grep -q '^Step ' "$dir/first.log" 2>/dev/null && break; sleep 0.05; done
-    sleep "0.$((RANDOM % 10))$((RANDOM % 10))"
-    local pids=($(pgrep -P $launcher -f lockstep_train))
-    if [[ ${#pids[@]} -ne 2 ]]; then problem "$dir" "the job was not running"; wait $launcher; continue; fi
-    local at
-    at=$(now)
-    kill -s "$signal" "${pids[$((RANDOM % 2))]}"
-    wait_gone $launcher 60 || { ok=0; problem "$dir" "still running 60 s after SIG$signal"; kill -9 "${pids[@]}" $launcher; }
-    wait $launcher
-    local code=$?
-    worst=$(max "$worst" "$(elapsed "$at" "$(now)")")
+    signal_running_job "$dir" "$flags" "$signal" 60 || ok=0
+    [[ ${#job_pids[@]} -eq 2 ]] || continue
+    local code=$job_code
+    worst=$(max "$worst" "$job_took")
     if [[ $code -ne 75 ]]; then ok=0; problem "$dir" "SIG$signal: exit $code, expected 75"; fi
     local saved
     saved=$(grep -o 'emergency checkpoint [^;]*' "$dir/first.log" | head -1 | awk '{ print $3 }')
@@ -166,19 +184,10 @@ kill_during_save() {
   for trial in $(seq 1 "$trials"); do
     local dir=$work/kill_save.$trial ok=1
     mkdir -p "$dir"
-    "${mpirun[@]}" -np 2 "$train" --set="$flags,output_dir=$dir/run" > "$dir/first.log" 2>&1 &
-    local launcher=$!
-    for _ in $(seq 1 600); do grep -q '^Step ' "$dir/first.log" 2>/dev/null && break; sleep 0.05; done
-    sleep "0.$((RANDOM % 10))$((RANDOM % 10))"
-    local pids=($(pgrep -P $launcher -f lockstep_train))
-    if [[ ${#pids[@]} -ne 2 ]]; then problem "$dir" "the job was not running"; wait $launcher; continue; fi
-    local at
-    at=$(now)
-    kill -9 "${pids[$((RANDOM % 2))]}"
-    wait_gone $launcher 30 || { ok=0; problem "$dir" "still running 30 s after the kill"; kill -9 "${pids[@]}" $launcher; }
-    wait $launcher
-    local code=$?
-    worst=$(max "$worst" "$(elapsed "$at" "$(now)")")
+    signal_running_job "$dir" "$flags" KILL 30 || ok=0
+    [[ ${#job_pids[@]} -eq 2 ]] || continue
+    local code=$job_code pids=("${job_pids[@]}")
+    worst=$(max "$worst" "$job_took")
     [[ $code -ne 0 ]] || { ok=0; problem "$dir" "exit 0 after a rank was killed"; }
     for p in "${pids[@]}"; do wait_gone "$p" 10 || { ok=0; problem "$dir" "pid $p left behind"; kill -9 "$p"; }; done
     checkpoints_intact "$dir/run" "$dir/verify.log" || { lost=$((lost + 1)); problem "$dir" "latest is not valid after the kill"; }
