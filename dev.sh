@@ -86,6 +86,10 @@ case "$command" in
     export LSAN_OPTIONS="suppressions=$supp/lsan.supp:print_suppressions=0"
     export UBSAN_OPTIONS="print_stacktrace=1:halt_on_error=1:suppressions=$supp/ubsan.supp"
     export TSAN_OPTIONS="halt_on_error=1:second_deadlock_stack=1:suppressions=$supp/tsan.supp"
+    # One intra-op thread under TSan: libtorch's kernels would otherwise run on
+    # libgomp's threads, whose barriers (in an uninstrumented library) TSan cannot
+    # see, so every parallel kernel would be reported as a race.
+    [[ $command == tsan ]] && export OMP_NUM_THREADS=1
     # The unit and multi-rank tests; not the installed-package build, the Slurm
     # cluster, the end-to-end training run or the benchmark smoke run.
     export INJECTIONS=${INJECTIONS:-5}  # the chaos test: 5 injections, not 20 (slow under ASan)

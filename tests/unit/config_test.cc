@@ -200,5 +200,25 @@ TEST_F(TrainBinaryTest, TrainsOnSyntheticDataAndWritesTheResolvedConfig) {
   EXPECT_EQ(written->optimizer().learning_rate(), 0.001) << "defaults are written out too";
 }
 
+TEST_F(TrainBinaryTest, ThreadsFollowOmpNumThreadsUnlessTheConfigSetsThem) {
+  const std::string common = "--set=data.source=SYNTHETIC,model.name=mlp,num_train_steps=1,eval_every_steps=0,"
+                             "data.synthetic_train_examples=64,data.synthetic_eval_examples=8,output_dir=" +
+                             dir_ + "/run";
+  const std::string with_env = "OMP_NUM_THREADS=3 " + std::string(LOCKSTEP_BINARY_DIR) + "/lockstep_train ";
+  for (const auto& [args, threads] : std::vector<std::pair<std::string, std::string>>{
+           {common, "3"}, {common + ",num_threads=2", "2"}}) {
+    const std::string command = with_env + args + " 2>&1";
+    FILE* pipe = popen(command.c_str(), "r");
+    ASSERT_NE(pipe, nullptr);
+    std::string output;
+    std::array<char, 4096> buffer{};
+    size_t n = 0;
+    while ((n = fread(buffer.data(), 1, buffer.size(), pipe)) > 0) output.append(buffer.data(), n);
+    const int status = pclose(pipe);
+    ASSERT_TRUE(WIFEXITED(status) && WEXITSTATUS(status) == 0) << output;
+    EXPECT_THAT(output, HasSubstr(", " + threads + " threads per rank;")) << args;
+  }
+}
+
 }  // namespace
 }  // namespace lockstep
