@@ -82,7 +82,8 @@ case "$command" in
     cmake --build "$dir"
     supp=$PWD/cmake/sanitizers
     export ASAN_OPTIONS="detect_leaks=1:abort_on_error=1:strict_string_checks=1"
-    # The multi-rank tests add fast_unwind_on_malloc=0 (tests/multirank/CMakeLists.txt says why).
+    # The fast unwinder: the multi-rank tests keep Open MPI's components loaded, so
+    # their leaks carry the module names lsan.supp matches (tests/multirank/CMakeLists.txt).
     export LSAN_OPTIONS="suppressions=$supp/lsan.supp:print_suppressions=0"
     export UBSAN_OPTIONS="print_stacktrace=1:halt_on_error=1:suppressions=$supp/ubsan.supp"
     export TSAN_OPTIONS="halt_on_error=1:second_deadlock_stack=1:suppressions=$supp/tsan.supp"

@@ -2,8 +2,9 @@
 // before any other thread exists (threads inherit the floating-point mode).
 //
 // - Intra-op threads: `num_threads`, or when 0 OMP_NUM_THREADS when it is set to
-//   a positive number, or else one per core this process is bound to; a process bound to every core of the host (an oversubscribed mpirun binds
-//   none) takes its share, cores / ranks on this host (OMPI_COMM_WORLD_LOCAL_SIZE,
+//   a positive number, or else one per core this process is bound to; a process
+//   bound to every core of the host (an oversubscribed mpirun binds none) takes
+//   its share, cores / ranks on this host (OMPI_COMM_WORLD_LOCAL_SIZE,
 //   LOCAL_WORLD_SIZE, SLURM_NTASKS_PER_NODE), because ranks whose threads
 //   outnumber the cores keep preempting each other. Debian's libtorch
 //   otherwise asks OpenMP, which may report a single thread.

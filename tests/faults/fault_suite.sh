@@ -137,15 +137,15 @@ signal_running_job() {
   if [[ ${#job_pids[@]} -ne 2 ]]; then
     problem "$dir" "the job was not running"; kill -9 $launcher "${job_pids[@]}" 2>/dev/null; wait $launcher; return 1
   fi
-  local at ended=0
+  local at late=0
   at=$(now)
   kill -s "$signal" "${job_pids[$((RANDOM % 2))]}"
   wait_gone $launcher "$bound" ||
-    { ended=1; problem "$dir" "still running $bound s after SIG$signal"; kill -9 "${job_pids[@]}" $launcher; }
+    { late=1; problem "$dir" "still running $bound s after SIG$signal"; kill -9 "${job_pids[@]}" $launcher; }
   wait $launcher
   job_code=$?
   job_took=$(elapsed "$at" "$(now)")
-  return $ended
+  return $late
 }
 
 # --- SIGTERM / SIGUSR1 to a random rank at a random step, then resume ---
@@ -186,10 +186,10 @@ kill_during_save() {
     mkdir -p "$dir"
     signal_running_job "$dir" "$flags" KILL 30 || ok=0
     [[ ${#job_pids[@]} -eq 2 ]] || continue
-    local code=$job_code pids=("${job_pids[@]}")
+    local code=$job_code
     worst=$(max "$worst" "$job_took")
     [[ $code -ne 0 ]] || { ok=0; problem "$dir" "exit 0 after a rank was killed"; }
-    for p in "${pids[@]}"; do wait_gone "$p" 10 || { ok=0; problem "$dir" "pid $p left behind"; kill -9 "$p"; }; done
+    for p in "${job_pids[@]}"; do wait_gone "$p" 10 || { ok=0; problem "$dir" "pid $p left behind"; kill -9 "$p"; }; done
     checkpoints_intact "$dir/run" "$dir/verify.log" || { lost=$((lost + 1)); problem "$dir" "latest is not valid after the kill"; }
     local newest
     newest=$("$ckpt" latest "$dir/run/checkpoints" 2>/dev/null | xargs -r basename)

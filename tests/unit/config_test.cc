@@ -108,9 +108,11 @@ struct Result {
   std::string output;
 };
 
-// Runs lockstep_train with the given arguments; stdout and stderr together.
-Result RunTrainBinary(const std::string& args) {
-  const std::string command = std::string(LOCKSTEP_BINARY_DIR) + "/lockstep_train " + args + " 2>&1";
+// Runs lockstep_train with the given arguments (and, before the binary, shell
+// variable assignments such as "OMP_NUM_THREADS=3"); stdout and stderr together.
+Result RunTrainBinary(const std::string& args, const std::string& environment = "") {
+  const std::string command =
+      environment + " " + std::string(LOCKSTEP_BINARY_DIR) + "/lockstep_train " + args + " 2>&1";
   Result result;
   FILE* pipe = popen(command.c_str(), "r");
   if (pipe == nullptr) return result;
@@ -204,19 +206,11 @@ TEST_F(TrainBinaryTest, ThreadsFollowOmpNumThreadsUnlessTheConfigSetsThem) {
   const std::string common = "--set=data.source=SYNTHETIC,model.name=mlp,num_train_steps=1,eval_every_steps=0,"
                              "data.synthetic_train_examples=64,data.synthetic_eval_examples=8,output_dir=" +
                              dir_ + "/run";
-  const std::string with_env = "OMP_NUM_THREADS=3 " + std::string(LOCKSTEP_BINARY_DIR) + "/lockstep_train ";
   for (const auto& [args, threads] : std::vector<std::pair<std::string, std::string>>{
            {common, "3"}, {common + ",num_threads=2", "2"}}) {
-    const std::string command = with_env + args + " 2>&1";
-    FILE* pipe = popen(command.c_str(), "r");
-    ASSERT_NE(pipe, nullptr);
-    std::string output;
-    std::array<char, 4096> buffer{};
-    size_t n = 0;
-    while ((n = fread(buffer.data(), 1, buffer.size(), pipe)) > 0) output.append(buffer.data(), n);
-    const int status = pclose(pipe);
-    ASSERT_TRUE(WIFEXITED(status) && WEXITSTATUS(status) == 0) << output;
-    EXPECT_THAT(output, HasSubstr(", " + threads + " threads per rank;")) << args;
+    const Result r = RunTrainBinary(args, "OMP_NUM_THREADS=3");
+    ASSERT_EQ(r.exit_code, 0) << r.output;
+    EXPECT_THAT(r.output, HasSubstr(", " + threads + " threads per rank;")) << args;
   }
 }
 
