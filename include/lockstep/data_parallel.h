@@ -82,6 +82,14 @@ class GradientBucketer {
   std::shared_ptr<State> state_;
 };
 
+// The start-up check of every data-parallel scheme, a collective: every rank
+// learns every rank's model shape and fingerprint and all fail together, naming
+// the ranks that differ (InvalidArgumentError); then rank 0's parameters and
+// buffers are broadcast to all. Through the coordination service's key-value
+// store when `options.coordination` is set.
+void CheckModelsAgreeAndBroadcast(Communicator* communicator, torch::nn::Module& model, const std::string& fingerprint,
+                                  const DataParallelOptions& options);
+
 class DataParallel {
  public:
   // Collective: every rank constructs it with the same model. `fingerprint`

@@ -52,6 +52,7 @@ ApplyFn ForwardOf() {
 }
 
 class DataParallel;
+class ShardedDataParallel;
 
 struct StepOptions {
   // The batch is split into min(num_microbatches, examples on this rank) parts.
@@ -66,6 +67,11 @@ struct StepOptions {
   // are summed across ranks (bucketed, during the last microbatch's backward); the
   // step's metrics stay this rank's (MetricsManager combines them). Not owned.
   DataParallel* data_parallel = nullptr;
+  // Sharded data parallelism (lockstep/sharded_data_parallel.h) instead: the
+  // same loss normalisation; gradients reduced to this rank's slices, the norm
+  // and clipping over all slices, the optimizer on this rank's slices and the
+  // parameters all-gathered. At most one of the two. Not owned.
+  ShardedDataParallel* sharded = nullptr;
   // Also report, per parameter tensor, "weights/<name>/rms", "weights/<name>/max"
   // (largest magnitude) and "weights/<name>/update_ratio" (||update|| / ||before||).
   // Costs a copy of the parameters per step.

@@ -35,6 +35,7 @@
 #include "lockstep/metrics.h"
 #include "lockstep/metrics_manager.h"
 #include "lockstep/runtime.h"
+#include "lockstep/sharded_data_parallel.h"
 #include "lockstep/step.h"
 #include "lockstep/train_state.h"
 
@@ -165,6 +166,9 @@ struct TrainerOptions {
   // Ranks to train with, data-parallel; null or a world of 1 trains alone. Not owned.
   Communicator* communicator = nullptr;
   DataParallelOptions data_parallel;
+  // How the ranks partition the train state (lockstep/sharded_data_parallel.h);
+  // the sharded strategies group parameters in units of data_parallel.bucket_bytes.
+  PartitioningStrategy partitioning = PartitioningStrategy::kReplicated;
   // What else must agree across ranks (the resolved config, say); checked at start.
   std::string fingerprint;
 };
@@ -179,8 +183,10 @@ class Trainer : public BaseTrainer {
   Trainer(TrainState& state, ApplyFn apply, LossFn loss, TrainerOptions options,
           Runtime runtime = Runtime::SingleProcess());
 
-  // Null when training alone.
+  // Null when training alone or with a sharded strategy.
   DataParallel* data_parallel() { return data_parallel_.get(); }
+  // Null when training alone or replicated.
+  ShardedDataParallel* sharded_data_parallel() { return sharded_.get(); }
 
  protected:
   MetricMap TrainStep(const Batch& batch) override;
@@ -191,6 +197,7 @@ class Trainer : public BaseTrainer {
   const LossFn loss_;
   TrainerOptions options_;
   std::unique_ptr<DataParallel> data_parallel_;
+  std::unique_ptr<ShardedDataParallel> sharded_;
 };
 
 }  // namespace lockstep

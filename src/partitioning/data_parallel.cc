@@ -261,10 +261,8 @@ std::string Describe(torch::nn::Module& model) {
 
 }  // namespace
 
-DataParallel::DataParallel(Communicator* communicator, torch::nn::Module& model, const std::string& fingerprint,
-                           const DataParallelOptions& options)
-    : communicator_(communicator),
-      options_(options) {
+void CheckModelsAgreeAndBroadcast(Communicator* communicator, torch::nn::Module& model, const std::string& fingerprint,
+                                  const DataParallelOptions& options) {
   // Every rank learns every rank's model shape and fingerprint, so that all of
   // them fail together, naming the ranks that differ.
   const std::string shapes = Describe(model);
@@ -273,15 +271,15 @@ DataParallel::DataParallel(Communicator* communicator, torch::nn::Module& model,
   const std::vector<int64_t> mine = {static_cast<int64_t>(StableHash(shapes)),
                                      static_cast<int64_t>(StableHash(fingerprint)),
                                      static_cast<int64_t>(model.parameters().size()), weights};
-  at::Tensor all = at::zeros({4 * world_size()}, at::kLong);
-  if (options_.coordination != nullptr) {
+  at::Tensor all = at::zeros({4 * communicator->world_size()}, at::kLong);
+  if (options.coordination != nullptr) {
     // Through the key-value store: each rank publishes its four numbers, then
     // reads everyone's.
     absl::StatusOr<std::vector<std::string>> published =
-        PublishAndGather(*options_.coordination, absl::StrCat("lockstep/startup/", options_.name, "/"),
-                         absl::StrJoin(mine, " "), absl::FromChrono(options_.collective.timeout));
+        PublishAndGather(*options.coordination, absl::StrCat("lockstep/startup/", options.name, "/"),
+                         absl::StrJoin(mine, " "), absl::FromChrono(options.collective.timeout));
     ThrowIfError(published.status(), "data-parallel start-up check");
-    for (int r = 0; r < world_size(); ++r) {
+    for (int r = 0; r < communicator->world_size(); ++r) {
       const std::string& theirs = (*published)[r];
       std::vector<std::string> fields = absl::StrSplit(theirs, ' ');
       for (int i = 0; i < 4; ++i) {
@@ -293,11 +291,11 @@ DataParallel::DataParallel(Communicator* communicator, torch::nn::Module& model,
       }
     }
   } else {
-    communicator_->AllGather(all, at::tensor(mine, at::kLong), options_.collective);
+    communicator->AllGather(all, at::tensor(mine, at::kLong), options.collective);
   }
   const auto* v = all.data_ptr<int64_t>();
   std::string problems;
-  for (int r = 1; r < world_size(); ++r) {
+  for (int r = 1; r < communicator->world_size(); ++r) {
     if (v[4 * r] != v[0]) {
       absl::StrAppend(&problems, "; rank ", r, " has a different model (", v[4 * r + 2], " parameter tensors, ",
                       v[4 * r + 3], " weights) from rank 0 (", v[2], " parameter tensors, ", v[3], " weights)");
@@ -305,15 +303,22 @@ DataParallel::DataParallel(Communicator* communicator, torch::nn::Module& model,
     if (v[4 * r + 1] != v[1]) absl::StrAppend(&problems, "; rank ", r, " has a different config from rank 0");
   }
   if (!problems.empty()) {
-    throw InvalidArgumentError("data-parallel start-up check failed on rank " + std::to_string(rank()) + ": " +
+    throw InvalidArgumentError("data-parallel start-up check failed on rank " + std::to_string(communicator->rank()) + ": " +
                                problems.substr(2));
   }
   // Rank 0's initial parameters and buffers everywhere.
   at::NoGradGuard no_grad;
   std::vector<std::shared_ptr<Work>> works;
-  for (at::Tensor& p : model.parameters()) works.push_back(communicator_->BroadcastAsync(p, 0, options_.collective));
-  for (at::Tensor& b : model.buffers()) works.push_back(communicator_->BroadcastAsync(b, 0, options_.collective));
+  for (at::Tensor& p : model.parameters()) works.push_back(communicator->BroadcastAsync(p, 0, options.collective));
+  for (at::Tensor& b : model.buffers()) works.push_back(communicator->BroadcastAsync(b, 0, options.collective));
   for (auto& w : works) w->Wait();
+}
+
+DataParallel::DataParallel(Communicator* communicator, torch::nn::Module& model, const std::string& fingerprint,
+                           const DataParallelOptions& options)
+    : communicator_(communicator),
+      options_(options) {
+  CheckModelsAgreeAndBroadcast(communicator_, model, fingerprint, options_);
   // Last: the buckets' buffers are allocated collectively, which needs every rank
   // to have the same parameters (checked above).
   bucketer_ = std::make_unique<GradientBucketer>(communicator_, model.parameters(), options_);

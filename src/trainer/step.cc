@@ -8,6 +8,7 @@
 #include <string>
 
 #include "lockstep/data_parallel.h"
+#include "lockstep/sharded_data_parallel.h"
 #include "lockstep/errors.h"
 
 namespace lockstep {
@@ -79,8 +80,13 @@ MetricMap RunTrainStep(TrainState& state, const Batch& host_batch, const ApplyFn
                                std::to_string(options.num_microbatches));
   }
   DataParallel* const data_parallel = options.data_parallel;
+  ShardedDataParallel* const sharded = options.sharded;
+  if (data_parallel != nullptr && sharded != nullptr) {
+    throw InvalidArgumentError("train step: data_parallel and sharded are exclusive");
+  }
+  const bool distributed = data_parallel != nullptr || sharded != nullptr;
   const int64_t n = batch.size();
-  if (n == 0 && data_parallel == nullptr) throw InvalidArgumentError("train step: empty batch");
+  if (n == 0 && !distributed) throw InvalidArgumentError("train step: empty batch");
   if ((n > 0 && batch.targets.size(0) != n) || (batch.weights.defined() && !(batch.weights.dim() == 1 && batch.weights.size(0) == n))) {
     throw InvalidArgumentError("train step: inputs, targets and weights disagree on the number of examples");
   }
@@ -93,6 +99,7 @@ MetricMap RunTrainStep(TrainState& state, const Batch& host_batch, const ApplyFn
   }
 
   state.model->train();
+  if (sharded != nullptr) sharded->ZeroGrad();
   optimizer.zero_grad();
   const bool weighted = batch.weights.defined();
   const double local_weight = weighted ? batch.weights.sum().item<double>() : static_cast<double>(n);
@@ -101,13 +108,18 @@ MetricMap RunTrainStep(TrainState& state, const Batch& host_batch, const ApplyFn
   // over ranks while the first microbatch's forward runs.
   at::Tensor global_weight;
   std::shared_ptr<Work> global_weight_work;
-  if (data_parallel != nullptr) {
+  if (distributed) {
     global_weight = at::tensor({total_weight}, at::kDouble);
-    global_weight_work = data_parallel->AllReduceSumAsync(global_weight);
+    global_weight_work = data_parallel != nullptr ? data_parallel->AllReduceSumAsync(global_weight)
+                                                  : sharded->AllReduceSumAsync(global_weight);
   }
   auto await_total_weight = [&] {
     if (global_weight_work) {
-      data_parallel->Wait(*global_weight_work);
+      if (data_parallel != nullptr) {
+        data_parallel->Wait(*global_weight_work);
+      } else {
+        sharded->Wait(*global_weight_work);
+      }
       global_weight_work.reset();
       total_weight = global_weight.item<double>();
     }
@@ -132,6 +144,7 @@ MetricMap RunTrainStep(TrainState& state, const Batch& host_batch, const ApplyFn
     if (i == 0) await_total_weight();
     // Only the last microbatch's backward communicates.
     if (data_parallel != nullptr && i == k - 1) data_parallel->bucketer().Arm();
+    if (sharded != nullptr && i == k - 1) sharded->Arm();
     summed.div(total_weight).backward();
 
     const at::Tensor detached = summed.detach();
@@ -146,15 +159,19 @@ MetricMap RunTrainStep(TrainState& state, const Batch& host_batch, const ApplyFn
   await_total_weight();  // a rank with an empty shard ran no microbatch
 
   if (data_parallel != nullptr) data_parallel->bucketer().Finish();
+  if (sharded != nullptr) sharded->Finish();
 
   // The gradient norm is the clipping's when clipping; else, like the weight norm
   // after the update, it comes from the optimizer's own pass (ReportsStepSquares) when that
   // covered every parameter, and from two more passes otherwise.
   double grad_norm = 0.0;
+  double weights_norm = -1.0;  // computed below unless the sharded step reports it
   const bool clipped = options.max_grad_norm > 0;
   // An optimizer that sums squares in its own step saves two passes for the norms.
-  const auto* sgd = dynamic_cast<const ReportsStepSquares*>(&optimizer);
-  if (clipped) {
+  const auto* sgd = sharded != nullptr ? nullptr : dynamic_cast<const ReportsStepSquares*>(&optimizer);
+  if (sharded != nullptr) {
+    // The norm, clipping and update are the sharded layer's (over all slices).
+  } else if (clipped) {
     grad_norm = torch::nn::utils::clip_grad_norm_(params, options.max_grad_norm);
   } else if (sgd == nullptr) {
     grad_norm = GlobalL2Norm(Gradients(params));  // before an optimizer that might change them
@@ -163,8 +180,14 @@ MetricMap RunTrainStep(TrainState& state, const Batch& host_batch, const ApplyFn
   if (options.weight_metrics) {
     for (const auto& item : state.model->named_parameters()) before.emplace_back(item.key(), item.value().detach().clone());
   }
-  if (options.before_update) options.before_update();
-  optimizer.step();
+  if (sharded != nullptr) {
+    const ShardedDataParallel::StepResult step = sharded->Step(options.max_grad_norm, options.before_update);
+    grad_norm = step.gradients_l2norm;
+    weights_norm = step.weights_l2norm;
+  } else {
+    if (options.before_update) options.before_update();
+    optimizer.step();
+  }
   ++state.step;
   bool one_pass_norms = sgd != nullptr && sgd->last_step_squares().complete &&
                         sgd->last_step_squares().tensors == static_cast<int64_t>(params.size());
@@ -187,7 +210,9 @@ MetricMap RunTrainStep(TrainState& state, const Batch& host_batch, const ApplyFn
   }
   metrics[kLearningRate] = learning_rate;
   metrics[kGradientsL2Norm] = grad_norm;
-  metrics[kWeightsL2Norm] = one_pass_norms ? std::sqrt(sgd->last_step_squares().weights) : GlobalL2Norm(params);
+  metrics[kWeightsL2Norm] = weights_norm >= 0 ? weights_norm
+                            : one_pass_norms ? std::sqrt(sgd->last_step_squares().weights)
+                                             : GlobalL2Norm(params);
   metrics[kNumExamples] = local_weight;
   if (options.weight_metrics) {
     const auto named = state.model->named_parameters();

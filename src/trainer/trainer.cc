@@ -172,9 +172,19 @@ Trainer::Trainer(TrainState& state, ApplyFn apply, LossFn loss, TrainerOptions o
     BeforeUpdate();
   };
   if (options_.communicator != nullptr && options_.communicator->world_size() > 1) {
-    data_parallel_ = std::make_unique<DataParallel>(options_.communicator, *state.model, options_.fingerprint,
-                                                    options_.data_parallel);
-    options_.step.data_parallel = data_parallel_.get();
+    if (options_.partitioning == PartitioningStrategy::kReplicated) {
+      data_parallel_ = std::make_unique<DataParallel>(options_.communicator, *state.model, options_.fingerprint,
+                                                      options_.data_parallel);
+      options_.step.data_parallel = data_parallel_.get();
+    } else {
+      ShardedDataParallelOptions sharding;
+      sharding.strategy = options_.partitioning;
+      sharding.unit_bytes = options_.data_parallel.bucket_bytes;
+      sharding.data_parallel = options_.data_parallel;
+      sharded_ = std::make_unique<ShardedDataParallel>(options_.communicator, *state.model, *state.optimizer,
+                                                       options_.fingerprint, sharding);
+      options_.step.sharded = sharded_.get();
+    }
   }
   set_communicator(options_.communicator, options_.data_parallel.collective);
 }

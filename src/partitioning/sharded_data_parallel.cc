@@ -1,0 +1,410 @@
+#include "lockstep/sharded_data_parallel.h"
+
+#include <ATen/ATen.h>
+#include <ATen/core/grad_mode.h>
+#include <c10/util/strides.h>
+#include <torch/csrc/autograd/function.h>
+#include <torch/csrc/autograd/utils/lambda_post_hook.h>
+#include <torch/csrc/autograd/variable.h>
+#include <torch/nn/module.h>
+#include <torch/optim/adagrad.h>
+#include <torch/optim/adam.h>
+#include <torch/optim/adamw.h>
+#include <torch/optim/optimizer.h>
+#include <torch/optim/rmsprop.h>
+#include <torch/optim/sgd.h>
+
+#include <chrono>
+#include <map>
+#include <cmath>
+#include <utility>
+
+#include "lockstep/errors.h"
+
+namespace lockstep {
+
+std::string PartitioningStrategyName(PartitioningStrategy strategy) {
+  switch (strategy) {
+    case PartitioningStrategy::kReplicated:
+      return "replicated";
+    case PartitioningStrategy::kShardedOptimizerState:
+      return "sharded_optimizer_state";
+    case PartitioningStrategy::kShardedGradients:
+      return "sharded_gradients";
+  }
+  return "unknown";
+}
+
+namespace {
+
+bool IsElementWise(const torch::optim::Optimizer& optimizer) {
+  return dynamic_cast<const torch::optim::SGD*>(&optimizer) != nullptr ||
+         dynamic_cast<const torch::optim::Adam*>(&optimizer) != nullptr ||
+         dynamic_cast<const torch::optim::AdamW*>(&optimizer) != nullptr ||
+         dynamic_cast<const torch::optim::RMSprop*>(&optimizer) != nullptr ||
+         dynamic_cast<const torch::optim::Adagrad*>(&optimizer) != nullptr;
+}
+
+int64_t Bytes(const at::Tensor& t) { return t.defined() ? t.numel() * static_cast<int64_t>(t.element_size()) : 0; }
+
+// Elements [offset, offset + n) of a flat tensor as a plain tensor on its
+// storage, not an autograd view: optimizers detach_() and zero_() gradients, which
+// libtorch refuses on views.
+at::Tensor PlainSlice(const at::Tensor& flat, int64_t offset, int64_t n) {
+  at::Tensor slice = at::empty({0}, flat.options());
+  slice.set_(flat.storage(), flat.storage_offset() + offset, {n}, {1});
+  return slice;
+}
+
+// The bytes of one parameter's state in the element-wise optimizers.
+int64_t OptimizerStateBytes(const torch::optim::OptimizerParamState& state) {
+  using namespace torch::optim;  // NOLINT: the state types below
+  if (const auto* s = dynamic_cast<const SGDParamState*>(&state)) return Bytes(s->momentum_buffer());
+  if (const auto* s = dynamic_cast<const AdamParamState*>(&state)) {
+    return Bytes(s->exp_avg()) + Bytes(s->exp_avg_sq()) + Bytes(s->max_exp_avg_sq());
+  }
+  if (const auto* s = dynamic_cast<const AdamWParamState*>(&state)) {
+    return Bytes(s->exp_avg()) + Bytes(s->exp_avg_sq()) + Bytes(s->max_exp_avg_sq());
+  }
+  if (const auto* s = dynamic_cast<const RMSpropParamState*>(&state)) {
+    return Bytes(s->square_avg()) + Bytes(s->momentum_buffer()) + Bytes(s->grad_avg());
+  }
+  if (const auto* s = dynamic_cast<const AdagradParamState*>(&state)) return Bytes(s->sum());
+  return 0;
+}
+
+}  // namespace
+
+struct ShardedDataParallel::State {
+  struct Unit {
+    std::vector<size_t> params;  // indices into `parameters`
+    std::vector<int64_t> offsets;
+    int64_t numel = 0;   // without padding
+    int64_t padded = 0;  // a multiple of the world size
+    int64_t slice = 0;   // padded / world size
+    at::Tensor flat_param;
+    at::Tensor flat_grad;   // kShardedGradients: only while a step runs
+    at::Tensor shard;       // this rank's slice of flat_param: the optimizer's parameter
+    at::Tensor shard_grad;  // this rank's slice of the summed gradients
+    at::Tensor send;        // the updated slice, all-gathered from here
+    int pending = 0;
+    std::shared_ptr<Work> work;
+  };
+
+  Communicator* communicator = nullptr;  // Not owned.
+  torch::optim::Optimizer* optimizer = nullptr;  // Not owned.
+  ShardedDataParallelOptions options;
+  std::vector<at::Tensor> parameters;
+  std::vector<size_t> unit_of;
+  std::vector<at::Tensor> views;  // parameter -> its slice of its unit's flat_grad
+  std::vector<Unit> units;
+  std::vector<std::pair<std::shared_ptr<torch::autograd::Node>, uintptr_t>> hooks;
+  bool armed = false;
+  size_t next_to_launch = 0;
+  double wait_seconds = 0;
+
+  int rank() const { return communicator->rank(); }
+  int world() const { return communicator->world_size(); }
+  bool sharded_gradients() const { return options.strategy == PartitioningStrategy::kShardedGradients; }
+
+  // Gradient buffers and the parameters' .grad as views of them.
+  void AllocateGradients(Unit& unit) {
+    at::NoGradGuard no_grad;
+    const at::TensorOptions grad_options = unit.flat_param.options();
+    if (sharded_gradients()) {
+      unit.flat_grad = at::zeros({unit.padded}, grad_options);
+    } else {
+      unit.flat_grad = communicator->AllocateCollectiveBuffer(unit.padded, grad_options, options.data_parallel.collective)
+                           .zero_();
+      unit.shard_grad = PlainSlice(unit.flat_grad, rank() * unit.slice, unit.slice);
+    }
+    for (size_t k = 0; k < unit.params.size(); ++k) {
+      const size_t p = unit.params[k];
+      at::Tensor view = at::empty({0}, grad_options);
+      view.set_(unit.flat_grad.storage(), unit.flat_grad.storage_offset() + unit.offsets[k], parameters[p].sizes(),
+                c10::contiguous_strides(parameters[p].sizes()));
+      views[p] = view;
+      if (parameters[p].requires_grad()) parameters[p].mutable_grad() = view;
+    }
+  }
+
+  bool GradIsView(size_t p) const {
+    const at::Tensor& grad = parameters[p].grad();
+    return grad.defined() && views[p].defined() && grad.data_ptr() == views[p].data_ptr() &&
+           grad.sizes() == views[p].sizes();
+  }
+
+  void EnsureGradients() {
+    for (Unit& unit : units) {
+      if (!unit.flat_grad.defined()) AllocateGradients(unit);
+    }
+  }
+
+  void Launch(size_t u) {
+    Unit& unit = units[u];
+    {
+      at::NoGradGuard no_grad;
+      for (size_t p : unit.params) {
+        if (GradIsView(p)) continue;
+        const at::Tensor& grad = parameters[p].grad();
+        if (grad.defined()) {
+          views[p].copy_(grad);
+        } else {
+          views[p].zero_();  // no gradient counts as zero
+        }
+      }
+    }
+    const CollectiveOptions& collective = options.data_parallel.collective;
+    if (sharded_gradients()) {
+      unit.work = communicator->ReduceScatterAsync(unit.shard_grad, unit.flat_grad, ReduceOp::kSum, collective);
+    } else {
+      unit.work = communicator->AllReduceAsync(unit.flat_grad, ReduceOp::kSum, collective);
+    }
+  }
+
+  void LaunchReady() {
+    while (next_to_launch < units.size() && units[next_to_launch].pending == 0) Launch(next_to_launch++);
+  }
+
+  void OnGradientFinal(size_t p) {
+    if (!armed) return;
+    if (--units[unit_of[p]].pending == 0) LaunchReady();
+  }
+
+  void WaitFor(Work& work) {
+    const auto start = std::chrono::steady_clock::now();
+    work.Wait();
+    wait_seconds += std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+  }
+
+  // Sum over ranks of one local number.
+  double SumOverRanks(double local) {
+    at::Tensor value = at::tensor({local}, at::kDouble);
+    const auto start = std::chrono::steady_clock::now();
+    communicator->AllReduce(value, ReduceOp::kSum, options.data_parallel.collective);
+    wait_seconds += std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+    return value.item<double>();
+  }
+};
+
+ShardedDataParallel::ShardedDataParallel(Communicator* communicator, torch::nn::Module& model,
+                                         torch::optim::Optimizer& optimizer, const std::string& fingerprint,
+                                         const ShardedDataParallelOptions& options)
+    : state_(std::make_shared<State>()) {
+  if (communicator == nullptr) throw InvalidArgumentError("ShardedDataParallel: no communicator");
+  if (options.strategy == PartitioningStrategy::kReplicated) {
+    throw InvalidArgumentError("ShardedDataParallel: the replicated strategy is DataParallel's");
+  }
+  if (!IsElementWise(optimizer)) {
+    throw InvalidArgumentError(
+        "partitioning strategy " + PartitioningStrategyName(options.strategy) +
+        " needs an optimizer that updates each parameter element from its own state (SGD, Adam, AdamW, RMSprop, "
+        "Adagrad); this one is not");
+  }
+  if (!optimizer.state().empty()) {
+    throw InvalidArgumentError("ShardedDataParallel: the optimizer already has state; shard it before its first step");
+  }
+  if (options.unit_bytes == 0) throw InvalidArgumentError("ShardedDataParallel: unit_bytes must be positive");
+  CheckModelsAgreeAndBroadcast(communicator, model, fingerprint, options.data_parallel);
+
+  State& s = *state_;
+  s.communicator = communicator;
+  s.optimizer = &optimizer;
+  s.options = options;
+  s.parameters = model.parameters();
+  s.unit_of.assign(s.parameters.size(), 0);
+  s.views.resize(s.parameters.size());
+  std::map<const void*, size_t> index_of;
+  for (size_t i = 0; i < s.parameters.size(); ++i) index_of[s.parameters[i].unsafeGetTensorImpl()] = i;
+
+  const int world = s.world();
+  at::NoGradGuard no_grad;
+  // Units per parameter group, in reverse order; the group's parameters become
+  // this rank's slices of its units.
+  for (auto& group : optimizer.param_groups()) {
+    std::vector<size_t> members;
+    for (const at::Tensor& p : group.params()) {
+      auto it = index_of.find(p.unsafeGetTensorImpl());
+      if (it == index_of.end()) {
+        throw InvalidArgumentError("ShardedDataParallel: the optimizer has a parameter that is not the model's");
+      }
+      members.push_back(it->second);
+    }
+    const size_t first_unit = s.units.size();
+    size_t bytes = 0;
+    for (auto it = members.rbegin(); it != members.rend(); ++it) {
+      const at::Tensor& p = s.parameters[*it];
+      const size_t size = p.numel() * p.element_size();
+      const bool dtype_change = s.units.size() > first_unit &&
+                                s.parameters[s.units.back().params.front()].scalar_type() != p.scalar_type();
+      if (s.units.size() == first_unit || dtype_change || (bytes > 0 && bytes + size > options.unit_bytes)) {
+        s.units.emplace_back();
+        bytes = 0;
+      }
+      State::Unit& unit = s.units.back();
+      unit.params.push_back(*it);
+      unit.offsets.push_back(unit.numel);
+      unit.numel += p.numel();
+      s.unit_of[*it] = s.units.size() - 1;
+      bytes += size;
+    }
+    std::vector<at::Tensor> shards;
+    for (size_t u = first_unit; u < s.units.size(); ++u) {
+      State::Unit& unit = s.units[u];
+      unit.slice = (unit.numel + world - 1) / world;
+      unit.padded = unit.slice * world;
+      const at::Tensor& first = s.parameters[unit.params.front()];
+      unit.flat_param = at::zeros({unit.padded}, first.options().requires_grad(false));
+      for (size_t k = 0; k < unit.params.size(); ++k) {
+        at::Tensor& p = s.parameters[unit.params[k]];
+        at::Tensor view = unit.flat_param.narrow(0, unit.offsets[k], p.numel()).view(p.sizes());
+        view.copy_(p.detach());
+        p.set_data(view);
+      }
+      unit.shard = PlainSlice(unit.flat_param, s.rank() * unit.slice, unit.slice);
+      unit.send = at::empty({unit.slice}, unit.flat_param.options());
+      if (s.sharded_gradients()) unit.shard_grad = at::zeros({unit.slice}, unit.flat_param.options());
+      shards.push_back(unit.shard);
+    }
+    group.params() = std::move(shards);
+  }
+  s.EnsureGradients();
+
+  std::weak_ptr<State> weak = state_;
+  for (size_t i = 0; i < s.parameters.size(); ++i) {
+    if (!s.parameters[i].requires_grad()) continue;
+    std::shared_ptr<torch::autograd::Node> accumulator = torch::autograd::impl::grad_accumulator(s.parameters[i]);
+    const uintptr_t key = accumulator->add_post_hook(std::make_unique<torch::autograd::utils::LambdaPostHook>(
+        [weak, i](const torch::autograd::variable_list& outputs, const torch::autograd::variable_list&) {
+          if (auto state = weak.lock()) state->OnGradientFinal(i);
+          return outputs;
+        }));
+    s.hooks.emplace_back(std::move(accumulator), key);
+  }
+}
+
+ShardedDataParallel::~ShardedDataParallel() {
+  for (auto& [node, key] : state_->hooks) node->del_post_hook(key);
+}
+
+void ShardedDataParallel::ZeroGrad() {
+  State& s = *state_;
+  s.EnsureGradients();
+  at::NoGradGuard no_grad;
+  for (State::Unit& unit : s.units) {
+    unit.flat_grad.zero_();
+    for (size_t p : unit.params) {
+      if (s.parameters[p].requires_grad() && !s.GradIsView(p)) s.parameters[p].mutable_grad() = s.views[p];
+    }
+  }
+}
+
+void ShardedDataParallel::Arm() {
+  State& s = *state_;
+  s.EnsureGradients();
+  {
+    at::NoGradGuard no_grad;
+    for (size_t p = 0; p < s.parameters.size(); ++p) {
+      if (!s.parameters[p].requires_grad() || s.GradIsView(p)) continue;
+      at::Tensor& param = s.parameters[p];
+      if (param.grad().defined()) {
+        s.views[p].copy_(param.grad());
+      } else {
+        s.views[p].zero_();
+      }
+      param.mutable_grad() = s.views[p];
+    }
+  }
+  for (State::Unit& unit : s.units) {
+    unit.pending = 0;
+    for (size_t p : unit.params) unit.pending += s.parameters[p].requires_grad() ? 1 : 0;
+    unit.work.reset();
+  }
+  s.next_to_launch = 0;
+  s.armed = true;
+  s.LaunchReady();
+}
+
+void ShardedDataParallel::Finish() {
+  State& s = *state_;
+  if (!s.armed) Arm();
+  s.armed = false;
+  while (s.next_to_launch < s.units.size()) s.Launch(s.next_to_launch++);
+  for (State::Unit& unit : s.units) s.WaitFor(*unit.work);
+  at::NoGradGuard no_grad;
+  for (State::Unit& unit : s.units) {
+    unit.shard.mutable_grad() = unit.shard_grad;
+    if (s.sharded_gradients()) {
+      // Only this rank's slice of the sums stays between steps.
+      for (size_t p : unit.params) {
+        s.parameters[p].mutable_grad() = at::Tensor();
+        s.views[p] = at::Tensor();
+      }
+      unit.flat_grad = at::Tensor();
+    }
+  }
+}
+
+ShardedDataParallel::StepResult ShardedDataParallel::Step(double max_grad_norm,
+                                                          const std::function<void()>& before_update) {
+  State& s = *state_;
+  if (max_grad_norm < 0) throw InvalidArgumentError("ShardedDataParallel::Step: max_grad_norm must be >= 0");
+  StepResult result;
+  at::NoGradGuard no_grad;
+  double squares = 0;
+  for (const State::Unit& unit : s.units) squares += unit.shard_grad.to(at::kDouble).pow(2).sum().item<double>();
+  result.gradients_l2norm = std::sqrt(s.SumOverRanks(squares));
+  if (max_grad_norm > 0) {
+    // As torch::nn::utils::clip_grad_norm_ does.
+    const double coefficient = max_grad_norm / (result.gradients_l2norm + 1e-6);
+    if (coefficient < 1) {
+      for (State::Unit& unit : s.units) unit.shard_grad.mul_(coefficient);
+    }
+  }
+  if (before_update) before_update();
+  s.optimizer->step();
+  std::vector<std::shared_ptr<Work>> works;
+  double weights = 0;
+  for (State::Unit& unit : s.units) {
+    unit.send.copy_(unit.shard);
+    weights += unit.shard.to(at::kDouble).pow(2).sum().item<double>();
+    works.push_back(s.communicator->AllGatherAsync(unit.flat_param, unit.send, s.options.data_parallel.collective));
+  }
+  result.weights_l2norm = std::sqrt(s.SumOverRanks(weights));
+  for (auto& work : works) s.WaitFor(*work);
+  return result;
+}
+
+PartitioningStrategy ShardedDataParallel::strategy() const { return state_->options.strategy; }
+int ShardedDataParallel::rank() const { return state_->rank(); }
+int ShardedDataParallel::world_size() const { return state_->world(); }
+int ShardedDataParallel::num_units() const { return static_cast<int>(state_->units.size()); }
+
+int64_t ShardedDataParallel::num_elements() const {
+  int64_t n = 0;
+  for (const State::Unit& unit : state_->units) n += unit.numel;
+  return n;
+}
+
+PartitionedBytes ShardedDataParallel::bytes() const {
+  PartitionedBytes b;
+  for (const State::Unit& unit : state_->units) {
+    b.parameters += Bytes(unit.flat_param);
+    b.gradients += Bytes(unit.flat_grad) + (state_->sharded_gradients() ? Bytes(unit.shard_grad) : 0);
+  }
+  for (const auto& [key, param_state] : state_->optimizer->state()) {
+    (void)key;
+    b.optimizer_state += OptimizerStateBytes(*param_state);
+  }
+  return b;
+}
+
+double ShardedDataParallel::communication_wait_seconds() const { return state_->wait_seconds; }
+
+std::shared_ptr<Work> ShardedDataParallel::AllReduceSumAsync(const at::Tensor& values) {
+  return state_->communicator->AllReduceAsync(values, ReduceOp::kSum, state_->options.data_parallel.collective);
+}
+
+void ShardedDataParallel::Wait(Work& work) { state_->WaitFor(work); }
+
+}  // namespace lockstep
