@@ -170,6 +170,13 @@ class CheckpointManager {
   double last_pause_seconds_ = 0;
 };
 
+// Writes the checkpoint in `step_directory` as one file that Python's torch.load
+// reads as a plain dict: "model/<name>" and "optimizer/<name>/<field>" whole, in
+// their shapes, however the checkpoint was split over ranks; step, data position
+// and RNG state as rank 0 saved them. Written to a temporary name, then renamed.
+// Throws CheckpointError naming the file and the reason.
+void ConsolidateCheckpoint(const std::string& step_directory, const std::string& output_file);
+
 // Name of the step directory: step_00001200.
 std::string CheckpointDirName(int64_t step);
 

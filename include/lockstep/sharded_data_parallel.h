@@ -35,11 +35,13 @@
 #include <cstdint>
 #include <functional>
 #include <memory>
+#include <optional>
 #include <string>
 #include <vector>
 
 #include "lockstep/communicator.h"
 #include "lockstep/data_parallel.h"
+#include "lockstep/train_state.h"
 
 namespace torch::nn {
 class Module;
@@ -59,6 +61,8 @@ enum class PartitioningStrategy {
 
 // "replicated", "sharded_optimizer_state", "sharded_gradients".
 std::string PartitioningStrategyName(PartitioningStrategy strategy);
+// The strategy of that name; nullopt for another.
+std::optional<PartitioningStrategy> ParsePartitioningStrategy(const std::string& name);
 
 struct ShardedDataParallelOptions {
   PartitioningStrategy strategy = PartitioningStrategy::kShardedOptimizerState;
@@ -115,6 +119,8 @@ class ShardedDataParallel {
   int num_units() const;
   int64_t num_elements() const;
   PartitionedBytes bytes() const;
+  // The layout, for checkpoints (TrainState::layout; Trainer sets it).
+  std::shared_ptr<const ShardedLayout> layout() const;
   // Seconds the training thread has spent blocked on communication since construction.
   double communication_wait_seconds() const;
   // Sums a float64 CPU tensor in place across ranks (the global batch weight).

@@ -20,10 +20,38 @@
 
 namespace lockstep {
 
+// How a sharded partitioning (lockstep/sharded_data_parallel.h) lays the
+// parameters out over ranks, for checkpoints: the parameters of each unit are
+// packed, row-major and in `members` order, into one flat buffer of
+// world_size * slice elements (zero padding at the end); rank r keeps elements
+// [r * slice, (r + 1) * slice) of it, and the optimizer's u-th parameter is that
+// slice of unit u, `shard`. A checkpoint saves each rank's pieces of each
+// parameter and of its optimizer state, so it loads under any layout.
+struct ShardedLayout {
+  std::string strategy;  // PartitioningStrategyName, recorded in the manifest
+  int rank = 0;
+  int world_size = 1;
+  struct Member {
+    std::string name;  // in the model's named_parameters()
+    std::vector<int64_t> shape;
+    int64_t offset = 0;  // in the unit's flat buffer
+    int64_t numel = 0;
+  };
+  struct Unit {
+    std::vector<Member> members;
+    int64_t slice = 0;
+    at::Tensor shard;  // this rank's slice of the unit's parameters (1-D, `slice` elements)
+  };
+  std::vector<Unit> units;  // in the order of the optimizer's parameters
+};
+
 struct TrainState {
   std::shared_ptr<torch::nn::Module> model;
   std::shared_ptr<torch::optim::Optimizer> optimizer;
   int64_t step = 0;
+  // Set by a sharded partitioning: the optimizer's parameters are then the units'
+  // slices, not the model's parameters. Null: both whole on every rank.
+  std::shared_ptr<const ShardedLayout> layout;
 };
 
 // State that a BaseTrainer subclass keeps in checkpoints besides the model, the

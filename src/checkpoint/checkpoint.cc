@@ -23,6 +23,7 @@
 #include <exception>
 #include <filesystem>
 #include <fstream>
+#include <functional>
 #include <set>
 #include <sstream>
 #include <unordered_map>
@@ -49,6 +50,8 @@ struct CheckpointManager::Job {
   bool emergency = false;
   std::map<std::string, double> metrics;
   c10::impl::GenericDict values{c10::StringType::get(), c10::AnyType::get()};
+  std::string partitioning;                           // for the manifest (rank 0)
+  std::vector<checkpoint::ShardedTensor> sharded_tensors;  // likewise
 };
 
 namespace {
@@ -312,6 +315,223 @@ std::string TensorBytes(const at::Tensor& t) {
 constexpr char kOptimizerPrefix[] = "optimizer/";
 constexpr char kCustomTensorPrefix[] = "custom/tensor/";
 constexpr char kCustomBytesPrefix[] = "custom/bytes/";
+constexpr char kReplicated[] = "data_parallel_replicated";
+
+// The part of a member of a sharded unit that `rank` holds: elements
+// [begin, end) of the member, at `local` in the rank's slice.
+struct Piece {
+  int64_t begin = 0;
+  int64_t end = 0;
+  int64_t local = 0;
+};
+std::optional<Piece> PieceOf(const ShardedLayout::Unit& unit, const ShardedLayout::Member& member, int rank) {
+  const int64_t first = std::max(member.offset, rank * unit.slice);
+  const int64_t last = std::min(member.offset + member.numel, (rank + 1) * unit.slice);
+  if (first >= last) return std::nullopt;
+  return Piece{first - member.offset, last - member.offset, first - rank * unit.slice};
+}
+
+// The optimizer's parameters under a sharded layout: unit u's slice, named "unit<u>".
+NamedParameters UnitParameters(const ShardedLayout& layout) {
+  NamedParameters out;
+  for (size_t u = 0; u < layout.units.size(); ++u) out.emplace_back(absl::StrCat("unit", u), layout.units[u].shard);
+  return out;
+}
+
+// The shards of one checkpoint, read and checked as they are first needed, and
+// its values by logical key: a whole tensor or any range of its elements,
+// wherever the manifest puts them.
+class CheckpointReader {
+ public:
+  // `home`: the shard whose unsplit values (step, buffers, RNG, data position)
+  // this rank takes: its own, or rank 0's when the checkpoint has fewer ranks.
+  CheckpointReader(const FoundCheckpoint& found, int rank)
+      : found_(found), home_(rank < found.manifest->world_size() ? rank : 0) {
+    for (const checkpoint::ShardedTensor& t : found.manifest->sharded_tensors()) {
+      if (!table_.emplace(t.key(), &t).second) throw Bad(absl::StrCat("lists '", t.key(), "' twice"));
+    }
+  }
+
+  int home() const { return home_; }
+  const std::map<std::string, const checkpoint::ShardedTensor*>& table() const { return table_; }
+
+  std::string File(int rank) const {
+    const checkpoint::ShardFile& shard = found_.manifest->shards(rank);
+    if (!IsShardFileName(shard.path())) {
+      throw CheckpointError(absl::StrCat(found_.path, "/", kManifestFile, ": bad shard path '",
+                                         absl::CHexEscape(shard.path()), "'"));
+    }
+    return (fs::path(found_.path) / shard.path()).string();
+  }
+
+  // Rank `rank`'s shard, checked against the manifest.
+  const c10::impl::GenericDict& Values(int rank) {
+    auto cached = values_.find(rank);
+    if (cached != values_.end()) return cached->second;
+    const checkpoint::ShardFile& shard = found_.manifest->shards(rank);
+    const std::string file = File(rank);
+    const std::string text = ReadFile(file, "shard");
+    if (static_cast<int64_t>(text.size()) != shard.bytes() || Crc32c(text.data(), text.size()) != shard.crc32c()) {
+      throw CheckpointError(absl::StrCat(file, ": does not match its manifest (size or CRC32C): corrupt"));
+    }
+    c10::IValue loaded;
+    try {
+      loaded = LoadPickled(text);
+    } catch (const c10::Error& e) {
+      throw CheckpointError(absl::StrCat(file, ": unreadable shard: ", e.what_without_backtrace()));
+    } catch (const std::exception& e) {
+      // libtorch's unpickler also throws standard exceptions (std::out_of_range on a
+      // memo index past its table; found by fuzz/checkpoint_shard_fuzzer).
+      throw CheckpointError(absl::StrCat(file, ": unreadable shard: ", e.what()));
+    }
+    if (!loaded.isGenericDict()) throw CheckpointError(absl::StrCat(file, ": not a dictionary"));
+    return values_.emplace(rank, loaded.toGenericDict()).first->second;
+  }
+
+  // The rank whose shard holds `key` when the key is not split: a split
+  // parameter's optimizer scalars ("optimizer/<name>/step") are in the shards
+  // that hold pieces of it; everything else is in the home shard.
+  int Owner(const std::string& key) const {
+    auto split = table_.find(key);
+    if (split != table_.end() && split->second->pieces_size() > 0) return split->second->pieces(0).rank();
+    if (key.rfind(kOptimizerPrefix, 0) == 0) {
+      const size_t slash = key.rfind('/');
+      const std::string member = key.substr(sizeof(kOptimizerPrefix) - 1, slash - (sizeof(kOptimizerPrefix) - 1));
+      auto model = table_.find("model/" + member);
+      if (slash > sizeof(kOptimizerPrefix) - 1 && model != table_.end() && model->second->pieces_size() > 0) {
+        return model->second->pieces(0).rank();
+      }
+    }
+    return home_;
+  }
+
+  bool Has(const std::string& key) {
+    if (table_.count(key) > 0) return true;
+    const c10::impl::GenericDict& values = Values(Owner(key));
+    return values.find(key) != values.end();
+  }
+
+  // An unsplit value.
+  c10::IValue Value(const std::string& key) {
+    const int owner = Owner(key);
+    const c10::impl::GenericDict& values = Values(owner);
+    auto it = values.find(key);
+    if (it == values.end()) throw CheckpointError(absl::StrCat(File(owner), ": has no '", key, "' (a different model?)"));
+    return it->value();
+  }
+
+  // A whole tensor, of the shape and dtype of `like` (when defined).
+  at::Tensor Whole(const std::string& key, const at::Tensor& like) {
+    at::Tensor t;
+    std::vector<int64_t> shape;
+    std::string where;
+    auto split = table_.find(key);
+    if (split != table_.end()) {
+      shape.assign(split->second->shape().begin(), split->second->shape().end());
+      int64_t numel = 1;
+      for (int64_t d : shape) {
+        if (d < 0 || __builtin_mul_overflow(numel, d, &numel)) throw Bad(absl::StrCat("'", key, "' has a bad shape"));
+      }
+      t = Range(key, 0, numel).view(shape);
+      where = absl::StrCat(found_.path, " (", found_.manifest->world_size(), " shards)");
+    } else {
+      const int owner = Owner(key);
+      t = InBounds(Value(key).toTensor(), File(owner), key);
+      where = File(owner);
+    }
+    if (like.defined() && (t.sizes() != like.sizes() || t.scalar_type() != like.scalar_type())) {
+      throw CheckpointError(absl::StrCat(where, ": '", key, "' has shape ", c10::str(t.sizes()), " ",
+                                         c10::toString(t.scalar_type()), ", the model's has ", c10::str(like.sizes()),
+                                         " ", c10::toString(like.scalar_type())));
+    }
+    return t;
+  }
+
+  // Elements [begin, end) of the row-major flattening of `key`, as a new 1-D tensor.
+  at::Tensor Range(const std::string& key, int64_t begin, int64_t end) {
+    auto split = table_.find(key);
+    if (split == table_.end()) {
+      at::Tensor whole = Whole(key, at::Tensor()).reshape({-1});
+      if (begin < 0 || end > whole.numel() || begin > end) {
+        throw CheckpointError(absl::StrCat(File(Owner(key)), ": '", key, "' has ", whole.numel(),
+                                           " elements, not the ", end, " the model needs"));
+      }
+      return whole.narrow(0, begin, end - begin).clone();
+    }
+    const checkpoint::ShardedTensor& entry = *split->second;
+    const int64_t numel = Numel(entry);
+    at::Tensor out;
+    int64_t filled = 0;
+    for (int i = 0; i < entry.pieces_size(); ++i) {
+      const checkpoint::TensorPiece& piece = entry.pieces(i);
+      const int64_t first = std::max(begin, piece.begin());
+      const int64_t last = std::min(end, piece.end());
+      if (first >= last) continue;
+      const std::string file = File(piece.rank());
+      const c10::impl::GenericDict& values = Values(piece.rank());
+      auto it = values.find(key);
+      if (it == values.end()) throw CheckpointError(absl::StrCat(file, ": has no '", key, "', its manifest says it has"));
+      const at::Tensor t = InBounds(it->value().toTensor(), file, key);
+      if (t.dim() != 1 || t.numel() != piece.end() - piece.begin()) {
+        throw CheckpointError(absl::StrCat(file, ": '", key, "' has shape ", c10::str(t.sizes()), ", the manifest says [",
+                                           piece.end() - piece.begin(), "]"));
+      }
+      if (!out.defined()) out = at::empty({end - begin}, t.options());
+      if (t.scalar_type() != out.scalar_type()) {
+        throw CheckpointError(absl::StrCat(file, ": '", key, "' is ", c10::toString(t.scalar_type()),
+                                           " in one shard and ", c10::toString(out.scalar_type()), " in another"));
+      }
+      out.narrow(0, first - begin, last - first).copy_(t.narrow(0, first - piece.begin(), last - first));
+      filled += last - first;
+    }
+    if (begin < 0 || end > numel || begin > end || filled != end - begin) {
+      throw CheckpointError(absl::StrCat(found_.path, ": '", key, "' has ", numel, " elements in its shards, not the ",
+                                         end, " the model needs"));
+    }
+    if (!out.defined()) out = at::empty({0});
+    return out;
+  }
+
+ private:
+  CheckpointError Bad(const std::string& what) const {
+    return CheckpointError(absl::StrCat(found_.path, "/", kManifestFile, ": ", what));
+  }
+
+  // The number of elements of a split tensor, its pieces checked once: valid
+  // ranks, and together every element of the tensor exactly once.
+  int64_t Numel(const checkpoint::ShardedTensor& entry) {
+    auto cached = numel_.find(entry.key());
+    if (cached != numel_.end()) return cached->second;
+    int64_t numel = 1;
+    for (int64_t d : entry.shape()) {
+      if (d < 0 || __builtin_mul_overflow(numel, d, &numel)) throw Bad(absl::StrCat("'", entry.key(), "' has a bad shape"));
+    }
+    std::vector<std::pair<int64_t, int64_t>> ranges;
+    for (const checkpoint::TensorPiece& piece : entry.pieces()) {
+      if (piece.rank() < 0 || piece.rank() >= found_.manifest->world_size() || piece.begin() < 0 ||
+          piece.begin() >= piece.end() || piece.end() > numel) {
+        throw Bad(absl::StrCat("'", entry.key(), "' has a bad piece (rank ", piece.rank(), ", [", piece.begin(), ", ",
+                               piece.end(), ") of ", numel, ")"));
+      }
+      ranges.emplace_back(piece.begin(), piece.end());
+    }
+    std::sort(ranges.begin(), ranges.end());
+    int64_t next = 0;
+    for (const auto& [first, last] : ranges) {
+      if (first != next) throw Bad(absl::StrCat("the pieces of '", entry.key(), "' do not cover it exactly once"));
+      next = last;
+    }
+    if (next != numel) throw Bad(absl::StrCat("the pieces of '", entry.key(), "' do not cover it exactly once"));
+    numel_[entry.key()] = numel;
+    return numel;
+  }
+
+  const FoundCheckpoint& found_;
+  const int home_;
+  std::map<std::string, const checkpoint::ShardedTensor*> table_;
+  std::map<int, c10::impl::GenericDict> values_;
+  std::map<std::string, int64_t> numel_;
+};
 
 }  // namespace
 
@@ -388,21 +608,115 @@ void CheckpointManager::Save(const TrainState& state, const ShardExtras& extras,
     }
     job->values.insert(key, staged);
   };
-  for (const auto& item : state.model->named_parameters()) put("model/" + item.key(), item.value());
-  // Buffers change in forward (batch-norm statistics): copied now.
-  for (const auto& item : state.model->named_buffers()) put("model/" + item.key(), item.value(), false);
   // The optimizer's state, through its codec.
   struct Writer final : OptimizerStateWriter {
-    decltype(put)& put_tensor;
-    c10::impl::GenericDict& values;
-    Writer(decltype(put)& p, c10::impl::GenericDict& v) : put_tensor(p), values(v) {}
-    void PutTensor(const std::string& key, const at::Tensor& value) override { put_tensor(kOptimizerPrefix + key, value); }
-    void PutInt(const std::string& key, int64_t value) override { values.insert(kOptimizerPrefix + key, value); }
-    void PutBytes(const std::string& key, const std::string& value) override {
-      values.insert(kOptimizerPrefix + key, BytesTensor(value));
+    std::function<void(const std::string&, const at::Tensor&)> put_tensor;
+    std::function<void(const std::string&, int64_t)> put_int;
+    std::function<void(const std::string&, const std::string&)> put_bytes;
+    void PutTensor(const std::string& key, const at::Tensor& value) override { put_tensor(key, value); }
+    void PutInt(const std::string& key, int64_t value) override { put_int(key, value); }
+    void PutBytes(const std::string& key, const std::string& value) override { put_bytes(key, value); }
+  } writer;
+  const ShardedLayout* layout = state.layout.get();
+  job->partitioning = layout != nullptr ? layout->strategy : options_.partitioning;
+  if (layout == nullptr) {
+    for (const auto& item : state.model->named_parameters()) put("model/" + item.key(), item.value());
+    writer.put_tensor = [&](const std::string& key, const at::Tensor& value) { put(kOptimizerPrefix + key, value); };
+    writer.put_int = [&](const std::string& key, int64_t value) { job->values.insert(kOptimizerPrefix + key, value); };
+    writer.put_bytes = [&](const std::string& key, const std::string& value) {
+      job->values.insert(kOptimizerPrefix + key, BytesTensor(value));
+    };
+    FindOptimizerStateCodec(*state.optimizer)->Save(*state.optimizer, OptimizerParameters(state), writer);
+  } else {
+    if (layout->rank != rank_ || layout->world_size != world_size_) {
+      throw InvalidArgumentError(absl::StrCat("checkpoint: the train state is sharded for rank ", layout->rank, " of ",
+                                              layout->world_size, ", the manager is rank ", rank_, " of ", world_size_));
     }
-  } writer(put, job->values);
-  FindOptimizerStateCodec(*state.optimizer)->Save(*state.optimizer, OptimizerParameters(state), writer);
+    // Each rank saves its pieces of each parameter and of its optimizer state,
+    // so every element is saved once; the manifest says where each piece is.
+    // A piece is a view of the slice: copied (async) or cloned, never saved
+    // with the rest of its storage.
+    auto put_piece = [&](const std::string& key, const at::Tensor& slice, const Piece& piece) {
+      const at::Tensor part = slice.narrow(0, piece.local, piece.end - piece.begin);
+      if (copy) {
+        put(key, part);
+      } else {
+        job->values.insert(key, part.detach().clone());
+      }
+    };
+    // Each unit's split values: "" for the parameters, then the optimizer's fields.
+    std::vector<std::set<std::string>> fields(layout->units.size());
+    for (size_t u = 0; u < layout->units.size(); ++u) {
+      const ShardedLayout::Unit& unit = layout->units[u];
+      fields[u].insert("");
+      for (const ShardedLayout::Member& member : unit.members) {
+        if (auto piece = PieceOf(unit, member, rank_)) put_piece("model/" + member.name, unit.shard, *piece);
+      }
+    }
+    // The codec sees one parameter per unit, "unit<u>"; its values per element
+    // are split over the members, its scalars go with every piece.
+    auto unit_and_field = [&](const std::string& key) {
+      size_t u = 0;
+      const size_t slash = key.find('/');
+      if (key.rfind("unit", 0) != 0 || slash == std::string::npos || !absl::SimpleAtoi(key.substr(4, slash - 4), &u) ||
+          u >= layout->units.size()) {
+        throw InvalidArgumentError("checkpoint: the optimizer's codec wrote '" + key + "', not a parameter's value");
+      }
+      return std::make_pair(u, key.substr(slash + 1));
+    };
+    writer.put_tensor = [&](const std::string& key, const at::Tensor& value) {
+      const auto [u, field] = unit_and_field(key);
+      const ShardedLayout::Unit& unit = layout->units[u];
+      if (value.dim() != 1 || value.numel() != unit.slice) {
+        throw InvalidArgumentError(absl::StrCat("checkpoint: the optimizer's '", field, "' has shape ",
+                                                c10::str(value.sizes()), ", not one value per parameter element; "
+                                                "a sharded partitioning cannot split it"));
+      }
+      fields[u].insert(field);
+      for (const ShardedLayout::Member& member : unit.members) {
+        if (auto piece = PieceOf(unit, member, rank_)) {
+          put_piece(absl::StrCat(kOptimizerPrefix, member.name, "/", field), value, *piece);
+        }
+      }
+    };
+    writer.put_int = [&](const std::string& key, int64_t value) {
+      const auto [u, field] = unit_and_field(key);
+      const ShardedLayout::Unit& unit = layout->units[u];
+      for (const ShardedLayout::Member& member : unit.members) {
+        if (PieceOf(unit, member, rank_)) job->values.insert(absl::StrCat(kOptimizerPrefix, member.name, "/", field), value);
+      }
+    };
+    writer.put_bytes = [&](const std::string& key, const std::string&) {
+      throw InvalidArgumentError("checkpoint: the optimizer's state ('" + key +
+                                 "') is an archive, which a sharded partitioning cannot split");
+    };
+    FindOptimizerStateCodec(*state.optimizer)->Save(*state.optimizer, UnitParameters(*layout), writer);
+    if (rank_ == 0) {
+      // Every rank's pieces, for the manifest. Rank 0 holds a slice of every
+      // unit, so its fields are every rank's.
+      for (size_t u = 0; u < layout->units.size(); ++u) {
+        const ShardedLayout::Unit& unit = layout->units[u];
+        for (const std::string& field : fields[u]) {
+          for (const ShardedLayout::Member& member : unit.members) {
+            checkpoint::ShardedTensor& entry = job->sharded_tensors.emplace_back();
+            entry.set_key(field.empty() ? "model/" + member.name
+                                        : absl::StrCat(kOptimizerPrefix, member.name, "/", field));
+            for (int64_t d : member.shape) entry.add_shape(d);
+            for (int r = 0; r < world_size_; ++r) {
+              if (auto piece = PieceOf(unit, member, r)) {
+                checkpoint::TensorPiece* out = entry.add_pieces();
+                out->set_rank(r);
+                out->set_begin(piece->begin);
+                out->set_end(piece->end);
+              }
+            }
+          }
+        }
+      }
+    }
+  }
+  // Buffers change in forward (batch-norm statistics): copied now.
+  for (const auto& item : state.model->named_buffers()) put("model/" + item.key(), item.value(), false);
   // A trainer subclass's own state; copied now, like the buffers.
   for (const auto& [name, tensor] : extras.custom.tensors) put(kCustomTensorPrefix + name, tensor, false);
   for (const auto& [name, bytes] : extras.custom.bytes) job->values.insert(kCustomBytesPrefix + name, BytesTensor(bytes));
@@ -455,7 +769,8 @@ void CheckpointManager::Write(const Job& job) {
     checkpoint::Manifest manifest;
     manifest.set_step(job.step);
     manifest.set_world_size(world_size_);
-    manifest.set_partitioning(options_.partitioning);
+    manifest.set_partitioning(job.partitioning);
+    for (const checkpoint::ShardedTensor& entry : job.sharded_tensors) *manifest.add_sharded_tensors() = entry;
     manifest.set_config_fingerprint(options_.config_fingerprint);
     manifest.set_config_text(options_.config_text);
     manifest.set_emergency(job.emergency);
@@ -672,118 +987,160 @@ std::optional<FoundCheckpoint> CheckpointManager::FindLatest(const std::string& 
 
 ShardExtras CheckpointManager::Restore(const FoundCheckpoint& found, TrainState& state) const {
   const checkpoint::Manifest& manifest = *found.manifest;
-  if (manifest.world_size() != world_size_ && manifest.partitioning() != "data_parallel_replicated") {
-    throw CheckpointError(absl::StrCat(found.path, ": written by ", manifest.world_size(), " ranks with partitioning '",
-                                       manifest.partitioning(), "', which cannot load on ", world_size_));
+  if (manifest.partitioning() != kReplicated && manifest.sharded_tensors_size() == 0) {
+    throw CheckpointError(absl::StrCat(found.path, ": partitioning '", manifest.partitioning(),
+                                       "' without a table of its pieces; this version cannot load it"));
   }
   if (manifest.config_fingerprint() != options_.config_fingerprint) {
     throw CheckpointError(absl::StrCat(found.path, ": written with a different config: ",
                                        FirstDifference(manifest.config_text(), options_.config_text),
                                        " (resume with the same config, or start afresh with --resume=none)"));
   }
-  // Replicated: every shard holds the whole state; a new rank loads rank 0's.
-  const int shard_rank = rank_ < manifest.world_size() ? rank_ : 0;
-  const checkpoint::ShardFile& shard = manifest.shards(shard_rank);
-  if (!IsShardFileName(shard.path())) {
-    throw CheckpointError(absl::StrCat(found.path, "/", kManifestFile, ": bad shard path '",
-                                       absl::CHexEscape(shard.path()), "'"));
+  const ShardedLayout* layout = state.layout.get();
+  if (layout != nullptr && (layout->rank != rank_ || layout->world_size != world_size_)) {
+    throw InvalidArgumentError(absl::StrCat("checkpoint: the train state is sharded for rank ", layout->rank, " of ",
+                                            layout->world_size, ", the manager is rank ", rank_, " of ", world_size_));
   }
-  const std::string file = (fs::path(found.path) / shard.path()).string();
-  const std::string text = ReadFile(file, "shard");
-  if (static_cast<int64_t>(text.size()) != shard.bytes() || Crc32c(text.data(), text.size()) != shard.crc32c()) {
-    throw CheckpointError(absl::StrCat(file, ": does not match its manifest (size or CRC32C): corrupt"));
-  }
-  c10::IValue loaded;
+  // Any layout loads from any other: each value this rank needs is read from the
+  // shards that hold it (every shard of a sharded checkpoint, for a replicated
+  // model; this rank's own one when the layouts agree).
+  CheckpointReader reader(found, rank_);
+  const std::string home = reader.File(reader.home());
   try {
-    loaded = LoadPickled(text);
-  } catch (const c10::Error& e) {
-    throw CheckpointError(absl::StrCat(file, ": unreadable shard: ", e.what_without_backtrace()));
-  } catch (const std::exception& e) {
-    // libtorch's unpickler also throws standard exceptions (std::out_of_range on a
-    // memo index past its table; found by fuzz/checkpoint_shard_fuzzer).
-    throw CheckpointError(absl::StrCat(file, ": unreadable shard: ", e.what()));
-  }
-  // A shard whose CRC matches but whose content is not what this model saves (a
-  // different program, a hand-made file): values of the wrong kind are c10::Errors.
-  try {
-    if (!loaded.isGenericDict()) throw CheckpointError(absl::StrCat(file, ": not a dictionary"));
-    const c10::impl::GenericDict values = loaded.toGenericDict();
-    auto get = [&](const std::string& key) -> c10::IValue {
-      auto it = values.find(key);
-      if (it == values.end()) throw CheckpointError(absl::StrCat(file, ": has no '", key, "' (a different model?)"));
-      return it->value();
-    };
-    auto tensor = [&](const std::string& key, const at::Tensor& like) {
-      at::Tensor t = InBounds(get(key).toTensor(), file, key);
-      if (like.defined() && (t.sizes() != like.sizes() || t.scalar_type() != like.scalar_type())) {
-        throw CheckpointError(absl::StrCat(file, ": '", key, "' has shape ", c10::str(t.sizes()), " ",
-                                           c10::toString(t.scalar_type()), ", the model's has ", c10::str(like.sizes()),
-                                           " ", c10::toString(like.scalar_type())));
-      }
-      return t;
-    };
     {
       at::NoGradGuard no_grad;
+      // The model's parameters are whole on every rank under every strategy.
       for (const auto& item : state.model->named_parameters()) {
-        item.value().copy_(tensor("model/" + item.key(), item.value()));
+        item.value().copy_(reader.Whole("model/" + item.key(), item.value()));
       }
       for (const auto& item : state.model->named_buffers()) {
-        item.value().copy_(tensor("model/" + item.key(), item.value()));
+        item.value().copy_(reader.Whole("model/" + item.key(), item.value()));
       }
     }
     struct Reader final : OptimizerStateReader {
-      const c10::impl::GenericDict& values;
-      const decltype(get)& get_value;
-      const decltype(tensor)& get_tensor;
-      Reader(const c10::impl::GenericDict& v, const decltype(get)& g, const decltype(tensor)& t)
-          : values(v), get_value(g), get_tensor(t) {}
-      bool Has(const std::string& key) const override { return values.find(kOptimizerPrefix + key) != values.end(); }
-      at::Tensor Tensor(const std::string& key, const at::Tensor& like) const override {
-        at::Tensor t = get_tensor(kOptimizerPrefix + key, like);
+      std::function<bool(const std::string&)> has;
+      std::function<at::Tensor(const std::string&, const at::Tensor&)> tensor;
+      std::function<int64_t(const std::string&)> integer;
+      std::function<std::string(const std::string&)> bytes;
+      bool Has(const std::string& key) const override { return has(key); }
+      at::Tensor Tensor(const std::string& key, const at::Tensor& like) const override { return tensor(key, like); }
+      int64_t Int(const std::string& key) const override { return integer(key); }
+      std::string Bytes(const std::string& key) const override { return bytes(key); }
+    } optimizer_reader;
+    if (layout == nullptr) {
+      optimizer_reader.has = [&](const std::string& key) { return reader.Has(kOptimizerPrefix + key); };
+      optimizer_reader.tensor = [&](const std::string& key, const at::Tensor& like) {
+        at::Tensor t = reader.Whole(kOptimizerPrefix + key, like);
         return like.defined() ? t.to(like.device()) : t;
-      }
-      int64_t Int(const std::string& key) const override { return get_value(kOptimizerPrefix + key).toInt(); }
-      std::string Bytes(const std::string& key) const override {
-        return TensorBytes(get_tensor(kOptimizerPrefix + key, at::Tensor()));
-      }
-    } reader(values, get, tensor);
-    FindOptimizerStateCodec(*state.optimizer)->Restore(*state.optimizer, OptimizerParameters(state), reader);
+      };
+      optimizer_reader.integer = [&](const std::string& key) { return reader.Value(kOptimizerPrefix + key).toInt(); };
+      optimizer_reader.bytes = [&](const std::string& key) {
+        return TensorBytes(reader.Whole(kOptimizerPrefix + key, at::Tensor()));
+      };
+      FindOptimizerStateCodec(*state.optimizer)->Restore(*state.optimizer, OptimizerParameters(state), optimizer_reader);
+    } else {
+      // "unit<u>/<field>": this rank's slice of the unit, assembled from the
+      // members' values (zeros in the padding); a scalar from the unit's first member.
+      auto unit_and_field = [&](const std::string& key) {
+        size_t u = 0;
+        const size_t slash = key.find('/');
+        if (key.rfind("unit", 0) != 0 || slash == std::string::npos ||
+            !absl::SimpleAtoi(key.substr(4, slash - 4), &u) || u >= layout->units.size()) {
+          throw InvalidArgumentError("checkpoint: the optimizer's codec asked for '" + key + "'");
+        }
+        return std::make_pair(u, key.substr(slash + 1));
+      };
+      auto first_member_key = [&](const std::string& key) {
+        const auto [u, field] = unit_and_field(key);
+        return absl::StrCat(kOptimizerPrefix, layout->units[u].members.front().name, "/", field);
+      };
+      optimizer_reader.has = [&](const std::string& key) { return reader.Has(first_member_key(key)); };
+      optimizer_reader.integer = [&](const std::string& key) { return reader.Value(first_member_key(key)).toInt(); };
+      optimizer_reader.tensor = [&](const std::string& key, const at::Tensor& like) {
+        const auto [u, field] = unit_and_field(key);
+        const ShardedLayout::Unit& unit = layout->units[u];
+        at::Tensor out = at::zeros({unit.slice}, like.options().requires_grad(false));
+        for (const ShardedLayout::Member& member : unit.members) {
+          if (auto piece = PieceOf(unit, member, rank_)) {
+            out.narrow(0, piece->local, piece->end - piece->begin)
+                .copy_(reader.Range(absl::StrCat(kOptimizerPrefix, member.name, "/", field), piece->begin, piece->end));
+          }
+        }
+        return out;
+      };
+      optimizer_reader.bytes = [&](const std::string& key) -> std::string {
+        throw CheckpointError(absl::StrCat(found.path, ": the optimizer asks for '", key,
+                                           "', an archive, which a sharded partitioning cannot load"));
+      };
+      FindOptimizerStateCodec(*state.optimizer)->Restore(*state.optimizer, UnitParameters(*layout), optimizer_reader);
+    }
     {
       at::Generator generator = at::detail::getDefaultCPUGenerator();
       std::lock_guard<std::mutex> lock(generator.mutex());
-      const at::Tensor rng = InBounds(get("rng/cpu").toTensor(), file, "rng/cpu").contiguous();
+      const at::Tensor rng = InBounds(reader.Value("rng/cpu").toTensor(), home, "rng/cpu").contiguous();
       // libtorch's set_state trusts the state's layout (a crash on a wrong one;
       // found by fuzz/checkpoint_shard_fuzzer): it must be what get_state gives.
       const at::Tensor expected = generator.get_state();
       if (rng.scalar_type() != expected.scalar_type() || rng.sizes() != expected.sizes()) {
-        throw CheckpointError(absl::StrCat(file, ": 'rng/cpu' is not a CPU generator state (", c10::str(rng.sizes()), " ",
+        throw CheckpointError(absl::StrCat(home, ": 'rng/cpu' is not a CPU generator state (", c10::str(rng.sizes()), " ",
                                            c10::toString(rng.scalar_type()), ", expected ", c10::str(expected.sizes()),
                                            " ", c10::toString(expected.scalar_type()), ")"));
       }
       generator.set_state(rng);
     }
-    state.step = get("step").toInt();
+    state.step = reader.Value("step").toInt();
     ShardExtras extras;
-    extras.data.epoch = get("data/epoch").toInt();
-    extras.data.batch_in_epoch = get("data/batch_in_epoch").toInt();
-    extras.trainer_state = get("trainer_state").toStringRef();
-    for (const auto& item : values) {
+    extras.data.epoch = reader.Value("data/epoch").toInt();
+    extras.data.batch_in_epoch = reader.Value("data/batch_in_epoch").toInt();
+    extras.trainer_state = reader.Value("trainer_state").toStringRef();
+    for (const auto& item : reader.Values(reader.home())) {
       const std::string& key = item.key().toStringRef();
       if (key.rfind(kCustomTensorPrefix, 0) == 0) {
-        extras.custom.tensors[key.substr(sizeof(kCustomTensorPrefix) - 1)] = InBounds(item.value().toTensor(), file, key);
+        extras.custom.tensors[key.substr(sizeof(kCustomTensorPrefix) - 1)] = InBounds(item.value().toTensor(), home, key);
       } else if (key.rfind(kCustomBytesPrefix, 0) == 0) {
         extras.custom.bytes[key.substr(sizeof(kCustomBytesPrefix) - 1)] =
-            TensorBytes(InBounds(item.value().toTensor(), file, key));
+            TensorBytes(InBounds(item.value().toTensor(), home, key));
       }
     }
     return extras;
   } catch (const CheckpointError&) {
     throw;
+  } catch (const InvalidArgumentError&) {
+    throw;
   } catch (const c10::Error& e) {
-    throw CheckpointError(absl::StrCat(file, ": unexpected content: ", e.what_without_backtrace()));
+    throw CheckpointError(absl::StrCat(found.path, ": unexpected content: ", e.what_without_backtrace()));
   } catch (const std::exception& e) {
-    throw CheckpointError(absl::StrCat(file, ": unexpected content: ", e.what()));
+    throw CheckpointError(absl::StrCat(found.path, ": unexpected content: ", e.what()));
   }
+}
+
+void ConsolidateCheckpoint(const std::string& step_directory, const std::string& output_file) {
+  const FoundCheckpoint found = CheckpointManager::Validate(step_directory);
+  CheckpointReader reader(found, 0);
+  c10::impl::GenericDict out{c10::StringType::get(), c10::AnyType::get()};
+  try {
+    // Split tensors whole, in the manifest's order; then every other value from
+    // the first shard that has it (rank 0's step, data position and RNG state).
+    for (const checkpoint::ShardedTensor& entry : found.manifest->sharded_tensors()) {
+      out.insert(entry.key(), reader.Whole(entry.key(), at::Tensor()));
+    }
+    for (int r = 0; r < found.world_size; ++r) {
+      for (const auto& item : reader.Values(r)) {
+        const std::string& key = item.key().toStringRef();
+        if (reader.table().count(key) == 0 && out.find(key) == out.end()) out.insert(key, item.value());
+      }
+      if (found.manifest->sharded_tensors_size() == 0) break;  // replicated: rank 0's shard is the whole state
+    }
+  } catch (const CheckpointError&) {
+    throw;
+  } catch (const c10::Error& e) {
+    throw CheckpointError(absl::StrCat(found.path, ": unexpected content: ", e.what_without_backtrace()));
+  }
+  const fs::path tmp = fs::path(output_file).parent_path() / (kTmpPrefix + fs::path(output_file).filename().string());
+  WriteShard(tmp.string(), out);
+  std::error_code ec;
+  fs::rename(tmp, output_file, ec);
+  if (ec) throw CheckpointError(absl::StrCat("cannot rename '", tmp.string(), "' to '", output_file, "': ", ec.message()));
 }
 
 }  // namespace lockstep

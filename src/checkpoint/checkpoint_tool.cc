@@ -6,11 +6,16 @@
 //                               step directory: checks it
 //   lockstep_ckpt latest DIR    prints the newest valid checkpoint's path (what
 //                               --resume=auto takes)
+//   lockstep_ckpt consolidate STEP_DIR OUT.pt
+//                               writes one file that torch.load reads as a
+//                               plain dict, whole tensors however the
+//                               checkpoint was split over ranks
 //
 // Exit codes: 0 every checkpoint checked is valid (verify) / one was found
 // (latest); 1 a checkpoint checked is invalid, "latest" names an invalid one, or
-// there was nothing to check (verify) / none is valid (latest); 2 bad usage or DIR
-// is not a directory.
+// there was nothing to check (verify) / none is valid (latest) / the checkpoint is
+// invalid or OUT cannot be written (consolidate); 2 bad usage or DIR is not a
+// directory.
 #include <algorithm>
 #include <cstdio>
 #include <filesystem>
@@ -27,9 +32,10 @@ namespace fs = std::filesystem;
 namespace {
 
 constexpr char kUsage[] =
-    "usage: lockstep_ckpt verify|latest DIR\n"
+    "usage: lockstep_ckpt verify|latest DIR | consolidate STEP_DIR OUT.pt\n"
     "  verify DIR  check every checkpoint in a checkpoints directory (and its 'latest'), or one step directory\n"
     "  latest DIR  print the newest valid checkpoint's path (what --resume=auto takes)\n"
+    "  consolidate STEP_DIR OUT.pt  write one file torch.load reads as a plain dict (whole tensors)\n"
     "exit codes: 0 all valid (verify) / found (latest); 1 something invalid, nothing to check, or none valid;\n"
     "            2 bad usage or DIR is not a directory\n";
 
@@ -50,6 +56,20 @@ bool Check(const fs::path& path) {
 int main(int argc, char** argv) {
   if (argc == 2 && (std::string(argv[1]) == "--help" || std::string(argv[1]) == "-h")) {
     std::printf("%s", kUsage);
+    return 0;
+  }
+  if (argc == 4 && std::string(argv[1]) == "consolidate") {
+    if (!fs::is_directory(argv[2])) {
+      std::fprintf(stderr, "lockstep_ckpt: '%s' is not a directory\n", argv[2]);
+      return 2;
+    }
+    try {
+      lockstep::ConsolidateCheckpoint(argv[2], argv[3]);
+    } catch (const lockstep::CheckpointError& e) {
+      std::fprintf(stderr, "lockstep_ckpt: %s\n", e.what());
+      return 1;
+    }
+    std::printf("wrote %s\n", argv[3]);
     return 0;
   }
   if (argc != 3 || (std::string(argv[1]) != "verify" && std::string(argv[1]) != "latest")) {

@@ -163,7 +163,8 @@ std::string ResumeRelevantConfigText(const config::TrainerConfig& config) {
   config::TrainerConfig c = config;
   for (const char* field : {"output_dir", "num_train_steps", "eval_every_steps", "summary_every_steps", "progress", "progress_updates",
                             "weight_metrics", "num_threads", "backend", "device", "bucket_mb",
-                            "collective_timeout_seconds", "coordination", "checkpoint"}) {
+                            "collective_timeout_seconds", "coordination", "checkpoint",
+                            "partitioning"}) {
     const pb::FieldDescriptor* descriptor = c.GetDescriptor()->FindFieldByName(field);
     if (descriptor != nullptr) c.GetReflection()->ClearField(&c, descriptor);
   }
@@ -223,6 +224,9 @@ absl::Status ValidateConfig(const config::TrainerConfig& c, int world_size) {
   check.Require(c.device() == "auto" || c.device() == "cpu" || c.device().rfind("cuda", 0) == 0, "device",
                 "must be auto, cpu, cuda or cuda:N", c.device());
   check.Require(c.bucket_mb() > 0, "bucket_mb", "must be > 0", c.bucket_mb());
+  const std::string& strategy = c.partitioning().strategy();
+  check.Require(ParsePartitioningStrategy(strategy).has_value(), "partitioning.strategy",
+                "must be one of replicated, sharded_optimizer_state, sharded_gradients", strategy);
   check.Require(c.progress() == "auto" || c.progress() == "bar" || c.progress() == "lines", "progress",
                 "must be one of auto, bar, lines", c.progress());
   check.Require(c.progress_updates() == "summary" || c.progress_updates() == "step", "progress_updates",

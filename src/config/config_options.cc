@@ -70,7 +70,12 @@ TrainerOptions ToTrainerOptions(const config::TrainerConfig& cfg) {
   o.data_parallel.bucket_bytes = static_cast<size_t>(cfg.bucket_mb() * (1 << 20));
   o.data_parallel.collective.timeout =
       std::chrono::milliseconds(static_cast<int64_t>(cfg.collective_timeout_seconds() * 1000));
-  o.fingerprint = ConfigToText(cfg);
+  o.partitioning = ParsePartitioningStrategy(cfg.partitioning().strategy()).value_or(PartitioningStrategy::kReplicated);
+  // Ranks must agree on the model, not on how they split it (a resumed run may
+  // choose another strategy): the trainer's start-up check leaves it out.
+  config::TrainerConfig agreed = cfg;
+  agreed.clear_partitioning();
+  o.fingerprint = ConfigToText(agreed);
   return o;
 }
 

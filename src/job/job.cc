@@ -538,6 +538,15 @@ JobResult TrainingJob::RunOrThrow(BaseTrainer& trainer, BatchIterator& train_dat
     }
   };
   int64_t last_saved = state.step;
+  if (checkpoints != nullptr && !result.resumed_from.empty()) {
+    // Resumed from a checkpoint elsewhere (--resume=PATH): this run's own
+    // directory has none of this step yet, so the final one is saved even when no
+    // step runs (how a checkpoint is resharded to another world size or strategy).
+    std::error_code ec;
+    const auto from = std::filesystem::weakly_canonical(std::filesystem::path(result.resumed_from).parent_path(), ec);
+    const auto own = std::filesystem::weakly_canonical(checkpoints->options().directory, ec);
+    if (from != own) last_saved = -1;
+  }
   auto save = [&](bool emergency) {
     ShardExtras extras;
     extras.data = *train_data.SavePosition();

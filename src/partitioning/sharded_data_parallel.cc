@@ -35,6 +35,14 @@ std::string PartitioningStrategyName(PartitioningStrategy strategy) {
   return "unknown";
 }
 
+std::optional<PartitioningStrategy> ParsePartitioningStrategy(const std::string& name) {
+  for (PartitioningStrategy s : {PartitioningStrategy::kReplicated, PartitioningStrategy::kShardedOptimizerState,
+                                 PartitioningStrategy::kShardedGradients}) {
+    if (PartitioningStrategyName(s) == name) return s;
+  }
+  return std::nullopt;
+}
+
 namespace {
 
 bool IsElementWise(const torch::optim::Optimizer& optimizer) {
@@ -98,6 +106,7 @@ struct ShardedDataParallel::State {
   std::vector<size_t> unit_of;
   std::vector<at::Tensor> views;  // parameter -> its slice of its unit's flat_grad
   std::vector<Unit> units;
+  std::shared_ptr<ShardedLayout> layout;
   std::vector<std::pair<std::shared_ptr<torch::autograd::Node>, uintptr_t>> hooks;
   bool armed = false;
   size_t next_to_launch = 0;
@@ -270,6 +279,22 @@ ShardedDataParallel::ShardedDataParallel(Communicator* communicator, torch::nn::
   }
   s.EnsureGradients();
 
+  auto layout = std::make_shared<ShardedLayout>();
+  layout->strategy = PartitioningStrategyName(options.strategy);
+  layout->rank = s.rank();
+  layout->world_size = world;
+  const auto named = model.named_parameters();
+  for (const State::Unit& unit : s.units) {
+    ShardedLayout::Unit& out = layout->units.emplace_back();
+    out.slice = unit.slice;
+    out.shard = unit.shard;
+    for (size_t k = 0; k < unit.params.size(); ++k) {
+      const at::Tensor& p = s.parameters[unit.params[k]];
+      out.members.push_back({named[unit.params[k]].key(), p.sizes().vec(), unit.offsets[k], p.numel()});
+    }
+  }
+  s.layout = std::move(layout);
+
   std::weak_ptr<State> weak = state_;
   for (size_t i = 0; i < s.parameters.size(); ++i) {
     if (!s.parameters[i].requires_grad()) continue;
@@ -398,6 +423,8 @@ PartitionedBytes ShardedDataParallel::bytes() const {
   }
   return b;
 }
+
+std::shared_ptr<const ShardedLayout> ShardedDataParallel::layout() const { return state_->layout; }
 
 double ShardedDataParallel::communication_wait_seconds() const { return state_->wait_seconds; }
 

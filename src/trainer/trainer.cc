@@ -184,6 +184,7 @@ Trainer::Trainer(TrainState& state, ApplyFn apply, LossFn loss, TrainerOptions o
       sharded_ = std::make_unique<ShardedDataParallel>(options_.communicator, *state.model, *state.optimizer,
                                                        options_.fingerprint, sharding);
       options_.step.sharded = sharded_.get();
+      state.layout = sharded_->layout();
     }
   }
   set_communicator(options_.communicator, options_.data_parallel.collective);

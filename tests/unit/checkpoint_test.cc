@@ -289,7 +289,7 @@ TEST(CheckpointTest, ADifferentConfigIsRefusedNamingTheDifference) {
                   HasSubstr("checkpoint has 'model { name: \"mlp\" }', this run has 'model { name: \"cnn\" }'")));
 }
 
-TEST(CheckpointTest, WorldSizeChangesOnlyWhereThePartitioningAllowsIt) {
+TEST(CheckpointTest, AnyWorldSizeLoadsAReplicatedCheckpointAndAnUnknownLayoutIsRefused) {
   TempDir dir;
   SaveSteps(dir.path(), 1);  // world of 1, replicated
   TrainRun s = MakeSetup(OptimizerOptions::Kind::kSgd, 5);
@@ -300,11 +300,12 @@ TEST(CheckpointTest, WorldSizeChangesOnlyWhereThePartitioningAllowsIt) {
   EXPECT_EQ(s.state.step, 1);
   TempDir other;
   CheckpointOptions sharded_options = Options(other.path());
-  sharded_options.partitioning = "sharded_optimizer";
+  sharded_options.partitioning = "someone_elses_layout";  // and no table of pieces
   SaveSteps(other.path(), 1, sharded_options);
   CheckpointManager sharded(sharded_options, 0, 2, nullptr);
   EXPECT_THAT([&] { sharded.Restore(CheckpointManager::Validate(other.file(CheckpointDirName(1))), s.state); },
-              ::testing::ThrowsMessage<CheckpointError>(HasSubstr("which cannot load on 2")));
+              ::testing::ThrowsMessage<CheckpointError>(
+                  HasSubstr("partitioning 'someone_elses_layout' without a table of its pieces")));
   EXPECT_THAT([&] { sharded.Save(s.state, ShardExtras{}, {}); },
               ::testing::ThrowsMessage<InvalidArgumentError>(HasSubstr("need the coordination service")));
 }
