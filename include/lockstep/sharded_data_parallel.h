@@ -20,6 +20,18 @@
 // number), clipping scales the slices, the optimizer updates this rank's slices,
 // and each unit's new parameters are all-gathered into its flat buffer.
 //
+// kFullySharded keeps, between steps, only this rank's slice of each unit's
+// parameters (its own tensor: the optimizer's parameter); the flat buffers'
+// storage is released, so the model's parameters keep their shapes but hold no
+// data. Gather() all-gathers every unit (launched together, in the order the
+// forward pass uses them) before the first forward of a step; once a unit's
+// gradients are final in the last backward its reduce-scatter starts and its
+// gathered parameters are released, so the backward pass frees memory as it
+// goes. The update runs on the slices and needs no all-gather. (libtorch's C++
+// modules have no forward hooks, so a unit is not gathered just before its own
+// forward: the whole model is gathered for the forward passes of a step.)
+// Evaluation gathers too (GatherForEval); the next step gathers afresh.
+//
 // Only optimizers that update each element from that element's own state
 // (torch::optim SGD, Adam, AdamW, RMSprop, Adagrad and BlockedSgd) give the same
 // result on slices; the constructor refuses others (LBFGS) by name.
@@ -57,9 +69,10 @@ enum class PartitioningStrategy {
   kReplicated,             // every rank holds everything (plain data parallelism)
   kShardedOptimizerState,  // [ZeRO-1] optimizer state split over ranks
   kShardedGradients,       // [ZeRO-2] optimizer state and summed gradients split
+  kFullySharded,           // [ZeRO-3] and the parameters at rest, gathered for each step
 };
 
-// "replicated", "sharded_optimizer_state", "sharded_gradients".
+// "replicated", "sharded_optimizer_state", "sharded_gradients", "fully_sharded".
 std::string PartitioningStrategyName(PartitioningStrategy strategy);
 // The strategy of that name; nullopt for another.
 std::optional<PartitioningStrategy> ParsePartitioningStrategy(const std::string& name);
@@ -95,8 +108,19 @@ class ShardedDataParallel {
   ShardedDataParallel& operator=(const ShardedDataParallel&) = delete;
 
   // Zeroes the gradient buffers: the start of a step (the optimizer's own
-  // zero_grad reaches only this rank's slices).
+  // zero_grad reaches only this rank's slices). Fully sharded: gathers the
+  // parameters first (Gather).
   void ZeroGrad();
+  // Fully sharded: all-gathers every unit's parameters from the ranks' slices,
+  // so that the model's parameters hold the current values; a no-op otherwise.
+  void Gather();
+  // Fully sharded: gathers unless already gathered (evaluation between steps).
+  void GatherForEval();
+  // Fully sharded: releases the gathered parameters (the model's parameters
+  // then hold no data until the next Gather).
+  void Release();
+  // Whether the model's parameters hold current values (always, unless fully sharded).
+  bool gathered() const;
   // The next backward pass starts each unit's reduction once its gradients are final.
   void Arm();
   // Starts the reductions that have not started and waits for all of them; this

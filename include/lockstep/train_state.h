@@ -31,6 +31,9 @@ struct ShardedLayout {
   std::string strategy;  // PartitioningStrategyName, recorded in the manifest
   int rank = 0;
   int world_size = 1;
+  // The model's parameters hold every element on every rank (false when fully
+  // sharded: then only the shards hold them between steps).
+  bool parameters_whole = true;
   struct Member {
     std::string name;  // in the model's named_parameters()
     std::vector<int64_t> shape;

@@ -1009,9 +1009,20 @@ ShardExtras CheckpointManager::Restore(const FoundCheckpoint& found, TrainState&
   try {
     {
       at::NoGradGuard no_grad;
-      // The model's parameters are whole on every rank under every strategy.
-      for (const auto& item : state.model->named_parameters()) {
-        item.value().copy_(reader.Whole("model/" + item.key(), item.value()));
+      if (layout == nullptr || layout->parameters_whole) {
+        for (const auto& item : state.model->named_parameters()) {
+          item.value().copy_(reader.Whole("model/" + item.key(), item.value()));
+        }
+      } else {
+        // Fully sharded: only this rank's slices hold parameters (the padding stays zero).
+        for (const ShardedLayout::Unit& unit : layout->units) {
+          for (const ShardedLayout::Member& member : unit.members) {
+            if (auto piece = PieceOf(unit, member, rank_)) {
+              unit.shard.narrow(0, piece->local, piece->end - piece->begin)
+                  .copy_(reader.Range("model/" + member.name, piece->begin, piece->end));
+            }
+          }
+        }
       }
       for (const auto& item : state.model->named_buffers()) {
         item.value().copy_(reader.Whole("model/" + item.key(), item.value()));

@@ -226,7 +226,10 @@ absl::Status ValidateConfig(const config::TrainerConfig& c, int world_size) {
   check.Require(c.bucket_mb() > 0, "bucket_mb", "must be > 0", c.bucket_mb());
   const std::string& strategy = c.partitioning().strategy();
   check.Require(ParsePartitioningStrategy(strategy).has_value(), "partitioning.strategy",
-                "must be one of replicated, sharded_optimizer_state, sharded_gradients", strategy);
+                "must be one of replicated, sharded_optimizer_state, sharded_gradients, fully_sharded", strategy);
+  check.Require(strategy != "fully_sharded" || !c.weight_metrics(), "weight_metrics",
+                "must be false with partitioning.strategy fully_sharded (its parameters are not kept whole)",
+                c.weight_metrics());
   check.Require(c.progress() == "auto" || c.progress() == "bar" || c.progress() == "lines", "progress",
                 "must be one of auto, bar, lines", c.progress());
   check.Require(c.progress_updates() == "summary" || c.progress_updates() == "step", "progress_updates",

@@ -31,13 +31,15 @@ std::string PartitioningStrategyName(PartitioningStrategy strategy) {
       return "sharded_optimizer_state";
     case PartitioningStrategy::kShardedGradients:
       return "sharded_gradients";
+    case PartitioningStrategy::kFullySharded:
+      return "fully_sharded";
   }
   return "unknown";
 }
 
 std::optional<PartitioningStrategy> ParsePartitioningStrategy(const std::string& name) {
   for (PartitioningStrategy s : {PartitioningStrategy::kReplicated, PartitioningStrategy::kShardedOptimizerState,
-                                 PartitioningStrategy::kShardedGradients}) {
+                                 PartitioningStrategy::kShardedGradients, PartitioningStrategy::kFullySharded}) {
     if (PartitioningStrategyName(s) == name) return s;
   }
   return std::nullopt;
@@ -62,6 +64,23 @@ at::Tensor PlainSlice(const at::Tensor& flat, int64_t offset, int64_t n) {
   at::Tensor slice = at::empty({0}, flat.options());
   slice.set_(flat.storage(), flat.storage_offset() + offset, {n}, {1});
   return slice;
+}
+
+// A fully sharded unit's gathered parameters: the storage is released between
+// steps and allocated again (same size, same allocator) for the next gather; the
+// model's parameters stay views of it throughout.
+void ReleaseStorage(const at::Tensor& flat) {
+  c10::StorageImpl* storage = flat.storage().unsafeGetStorageImpl();
+  storage->set_data_ptr_noswap(at::DataPtr(nullptr, flat.device()));
+  storage->set_nbytes(0);
+}
+void AllocateStorage(const at::Tensor& flat) {
+  c10::StorageImpl* storage = flat.storage().unsafeGetStorageImpl();
+  const size_t nbytes = static_cast<size_t>(flat.numel()) * flat.element_size();
+  if (storage->nbytes() == nbytes) return;
+  c10::Allocator* allocator = storage->allocator() != nullptr ? storage->allocator() : c10::GetAllocator(flat.device().type());
+  storage->set_data_ptr_noswap(allocator->allocate(nbytes));
+  storage->set_nbytes(nbytes);
 }
 
 // The bytes of one parameter's state in the element-wise optimizers.
@@ -92,7 +111,7 @@ struct ShardedDataParallel::State {
     int64_t slice = 0;   // padded / world size
     at::Tensor flat_param;
     at::Tensor flat_grad;   // kShardedGradients: only while a step runs
-    at::Tensor shard;       // this rank's slice of flat_param: the optimizer's parameter
+    at::Tensor shard;       // this rank's slice of flat_param (fully sharded: its own tensor): the optimizer's parameter
     at::Tensor shard_grad;  // this rank's slice of the summed gradients
     at::Tensor send;        // the updated slice, all-gathered from here
     int pending = 0;
@@ -109,12 +128,30 @@ struct ShardedDataParallel::State {
   std::shared_ptr<ShardedLayout> layout;
   std::vector<std::pair<std::shared_ptr<torch::autograd::Node>, uintptr_t>> hooks;
   bool armed = false;
+  bool gathered = true;  // fully sharded: the flat buffers hold current parameters
   size_t next_to_launch = 0;
   double wait_seconds = 0;
 
   int rank() const { return communicator->rank(); }
   int world() const { return communicator->world_size(); }
-  bool sharded_gradients() const { return options.strategy == PartitioningStrategy::kShardedGradients; }
+  bool sharded_gradients() const { return options.strategy != PartitioningStrategy::kShardedOptimizerState; }
+  bool fully_sharded() const { return options.strategy == PartitioningStrategy::kFullySharded; }
+
+  void Gather() {
+    // Launched together, the unit the forward pass uses first (the last one) first.
+    std::vector<std::shared_ptr<Work>> works;
+    for (auto unit = units.rbegin(); unit != units.rend(); ++unit) {
+      AllocateStorage(unit->flat_param);
+      works.push_back(communicator->AllGatherAsync(unit->flat_param, unit->shard, options.data_parallel.collective));
+    }
+    for (auto& work : works) WaitFor(*work);
+    gathered = true;
+  }
+
+  void Release() {
+    for (Unit& unit : units) ReleaseStorage(unit.flat_param);
+    gathered = false;
+  }
 
   // Gradient buffers and the parameters' .grad as views of them.
   void AllocateGradients(Unit& unit) {
@@ -166,6 +203,8 @@ struct ShardedDataParallel::State {
     const CollectiveOptions& collective = options.data_parallel.collective;
     if (sharded_gradients()) {
       unit.work = communicator->ReduceScatterAsync(unit.shard_grad, unit.flat_grad, ReduceOp::kSum, collective);
+      // Its backward is done: the gathered parameters are not needed until the next step.
+      if (fully_sharded()) ReleaseStorage(unit.flat_param);
     } else {
       unit.work = communicator->AllReduceAsync(unit.flat_grad, ReduceOp::kSum, collective);
     }
@@ -270,8 +309,12 @@ ShardedDataParallel::ShardedDataParallel(Communicator* communicator, torch::nn::
         view.copy_(p.detach());
         p.set_data(view);
       }
-      unit.shard = PlainSlice(unit.flat_param, s.rank() * unit.slice, unit.slice);
-      unit.send = at::empty({unit.slice}, unit.flat_param.options());
+      if (s.fully_sharded()) {
+        unit.shard = unit.flat_param.narrow(0, s.rank() * unit.slice, unit.slice).clone();
+      } else {
+        unit.shard = PlainSlice(unit.flat_param, s.rank() * unit.slice, unit.slice);
+        unit.send = at::empty({unit.slice}, unit.flat_param.options());
+      }
       if (s.sharded_gradients()) unit.shard_grad = at::zeros({unit.slice}, unit.flat_param.options());
       shards.push_back(unit.shard);
     }
@@ -293,7 +336,9 @@ ShardedDataParallel::ShardedDataParallel(Communicator* communicator, torch::nn::
       out.members.push_back({named[unit.params[k]].key(), p.sizes().vec(), unit.offsets[k], p.numel()});
     }
   }
+  layout->parameters_whole = !s.fully_sharded();
   s.layout = std::move(layout);
+  if (s.fully_sharded()) s.Release();
 
   std::weak_ptr<State> weak = state_;
   for (size_t i = 0; i < s.parameters.size(); ++i) {
@@ -312,8 +357,24 @@ ShardedDataParallel::~ShardedDataParallel() {
   for (auto& [node, key] : state_->hooks) node->del_post_hook(key);
 }
 
+void ShardedDataParallel::Gather() {
+  if (state_->fully_sharded()) state_->Gather();
+}
+
+void ShardedDataParallel::GatherForEval() {
+  if (state_->fully_sharded() && !state_->gathered) state_->Gather();
+}
+
+void ShardedDataParallel::Release() {
+  if (state_->fully_sharded()) state_->Release();
+}
+
+bool ShardedDataParallel::gathered() const { return state_->gathered; }
+
 void ShardedDataParallel::ZeroGrad() {
   State& s = *state_;
+  // The slices may have changed since the last gather (an update, a restored checkpoint).
+  if (s.fully_sharded()) s.Gather();
   s.EnsureGradients();
   at::NoGradGuard no_grad;
   for (State::Unit& unit : s.units) {
@@ -368,6 +429,7 @@ void ShardedDataParallel::Finish() {
       unit.flat_grad = at::Tensor();
     }
   }
+  if (s.fully_sharded()) s.Release();  // every unit's, its backward done
 }
 
 ShardedDataParallel::StepResult ShardedDataParallel::Step(double max_grad_norm,
@@ -391,10 +453,12 @@ ShardedDataParallel::StepResult ShardedDataParallel::Step(double max_grad_norm,
   std::vector<std::shared_ptr<Work>> works;
   double weights = 0;
   for (State::Unit& unit : s.units) {
-    unit.send.copy_(unit.shard);
     weights += unit.shard.to(at::kDouble).pow(2).sum().item<double>();
+    if (s.fully_sharded()) continue;  // gathered at the next step
+    unit.send.copy_(unit.shard);
     works.push_back(s.communicator->AllGatherAsync(unit.flat_param, unit.send, s.options.data_parallel.collective));
   }
+  if (s.fully_sharded()) s.Release();  // already, unless a unit had no gradient to wait for
   result.weights_l2norm = std::sqrt(s.SumOverRanks(weights));
   for (auto& work : works) s.WaitFor(*work);
   return result;
@@ -414,7 +478,9 @@ int64_t ShardedDataParallel::num_elements() const {
 PartitionedBytes ShardedDataParallel::bytes() const {
   PartitionedBytes b;
   for (const State::Unit& unit : state_->units) {
-    b.parameters += Bytes(unit.flat_param);
+    b.parameters += state_->fully_sharded()
+                        ? Bytes(unit.shard) + static_cast<int64_t>(unit.flat_param.storage().nbytes())
+                        : Bytes(unit.flat_param);
     b.gradients += Bytes(unit.flat_grad) + (state_->sharded_gradients() ? Bytes(unit.shard_grad) : 0);
   }
   for (const auto& [key, param_state] : state_->optimizer->state()) {

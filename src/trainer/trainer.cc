@@ -177,6 +177,11 @@ Trainer::Trainer(TrainState& state, ApplyFn apply, LossFn loss, TrainerOptions o
                                                       options_.data_parallel);
       options_.step.data_parallel = data_parallel_.get();
     } else {
+      if (options_.partitioning == PartitioningStrategy::kFullySharded && options_.step.weight_metrics) {
+        throw InvalidArgumentError(
+            "Trainer: weight_metrics reads every parameter after the update, which fully_sharded does not keep; "
+            "use sharded_gradients or turn weight_metrics off");
+      }
       ShardedDataParallelOptions sharding;
       sharding.strategy = options_.partitioning;
       sharding.unit_bytes = options_.data_parallel.bucket_bytes;
@@ -193,6 +198,7 @@ Trainer::Trainer(TrainState& state, ApplyFn apply, LossFn loss, TrainerOptions o
 MetricMap Trainer::TrainStep(const Batch& batch) { return RunTrainStep(state(), batch, apply_, loss_, options_.step); }
 
 MetricSums Trainer::EvalStep(const Batch& batch) {
+  if (sharded_) sharded_->GatherForEval();  // fully sharded: the parameters are released between steps
   return RunEvalStep(*state().model, batch, apply_, options_.eval_metrics);
 }
 

@@ -1,5 +1,5 @@
 // Sharded data parallelism under mpirun -np 2, 3 and 4: after 5 steps, N ranks
-// under each sharded strategy equal 1 process with the whole global batch, for
+// under each sharded strategy (ZeRO-1, 2 and 3) equal 1 process with the whole global batch, for
 // SGD with momentum, Adam and AdamW, 1 and 3 microbatches, with and without
 // clipping, with units whose sizes do not divide by N; each rank keeps 1/N of
 // the optimizer state.
@@ -97,17 +97,21 @@ RunResult Train(const Case& c, Communicator* comm, int rank, int world, uint64_t
   RunResult result;
   for (int s = 0; s < kSteps; ++s) result.last = trainer.Train(data, 1);
   EXPECT_EQ(state.step, kSteps);
-  result.params = Snapshot(*state.model);
   if (ShardedDataParallel* sharded = trainer.sharded_data_parallel()) {
-    result.bytes = sharded->bytes();
+    result.bytes = sharded->bytes();  // between steps
     result.elements = sharded->num_elements();
+    if (c.strategy == PartitioningStrategy::kFullySharded) {
+      EXPECT_FALSE(sharded->gathered());
+      sharded->GatherForEval();
+    }
   }
+  result.params = Snapshot(*state.model);
   return result;
 }
 
 TEST_F(ShardedTest, NRanksUpdateAsOneProcessWithTheWholeBatch) {
-  for (PartitioningStrategy strategy :
-       {PartitioningStrategy::kShardedOptimizerState, PartitioningStrategy::kShardedGradients}) {
+  for (PartitioningStrategy strategy : {PartitioningStrategy::kShardedOptimizerState,
+                                        PartitioningStrategy::kShardedGradients, PartitioningStrategy::kFullySharded}) {
     for (OptimizerOptions::Kind opt :
          {OptimizerOptions::Kind::kSgd, OptimizerOptions::Kind::kAdam, OptimizerOptions::Kind::kAdamW}) {
       for (int microbatches : {1, 3}) {
@@ -134,8 +138,8 @@ TEST_F(ShardedTest, NRanksUpdateAsOneProcessWithTheWholeBatch) {
 }
 
 TEST_F(ShardedTest, EachRankKeepsItsShareOfTheOptimizerStateAndGradients) {
-  for (PartitioningStrategy strategy :
-       {PartitioningStrategy::kShardedOptimizerState, PartitioningStrategy::kShardedGradients}) {
+  for (PartitioningStrategy strategy : {PartitioningStrategy::kShardedOptimizerState,
+                                        PartitioningStrategy::kShardedGradients, PartitioningStrategy::kFullySharded}) {
     SCOPED_TRACE(PartitioningStrategyName(strategy));
     const Case c{strategy, OptimizerOptions::Kind::kAdam, 1, 0.0, size_t{25} << 20};
     const RunResult ours = Train(c, comm_.get(), rank_, size_, 100);
@@ -144,8 +148,9 @@ TEST_F(ShardedTest, EachRankKeepsItsShareOfTheOptimizerStateAndGradients) {
     const int64_t slice = (elements + size_ - 1) / size_;
     // Adam: two float32 moments per element of this rank's slice.
     EXPECT_EQ(ours.bytes.optimizer_state, 2 * 4 * slice);
-    EXPECT_EQ(ours.bytes.parameters, 4 * slice * size_);
-    if (strategy == PartitioningStrategy::kShardedGradients) {
+    EXPECT_EQ(ours.bytes.parameters,
+              strategy == PartitioningStrategy::kFullySharded ? 4 * slice : 4 * slice * size_);
+    if (strategy != PartitioningStrategy::kShardedOptimizerState) {
       EXPECT_EQ(ours.bytes.gradients, 4 * slice);
     } else {
       EXPECT_EQ(ours.bytes.gradients, 4 * slice * size_);

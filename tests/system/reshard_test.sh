@@ -16,7 +16,7 @@
 #     the rounding of 2 against 3 ranks grows to percents, as it does between
 #     straight runs on 1, 2 and 3 ranks.)
 # Usage: reshard_test.sh SOURCE_DIR LOCKSTEP_TRAIN LOCKSTEP_CKPT MPIRUN...
-# Environment: STRATEGY_4, STRATEGY_3 (default sharded_gradients).
+# Environment: STRATEGY_4, STRATEGY_3 (default fully_sharded).
 set -euo pipefail
 source_dir=$1
 train=$2
@@ -24,8 +24,8 @@ ckpt=$3
 shift 3
 mpirun=("$@")
 python=/usr/bin/python3
-strategy4=${STRATEGY_4:-sharded_gradients}
-strategy3=${STRATEGY_3:-sharded_gradients}
+strategy4=${STRATEGY_4:-fully_sharded}
+strategy3=${STRATEGY_3:-fully_sharded}
 work=$(mktemp -d)
 trap 'rm -rf "$work"' EXIT
 fail() { echo "FAIL: $*"; exit 1; }
@@ -95,7 +95,7 @@ step=$(sed -n 's/.*emergency checkpoint .*step_0*\([0-9]*\);.*/\1/p' "$dir.1.log
 launch 3 "$strategy3" "$work/straight" "$step" "$work/straight.log"
 "$python" "$source_dir/tests/system/compare_consolidated.py" "$(consolidated "$dir" "$step")" \
   "$(consolidated "$work/straight" "$step")" || fail "the emergency checkpoint is not the state of a straight run"
-launch 2 sharded_optimizer_state "$dir" $total "$dir.2.log"
+launch 2 fully_sharded "$dir" $total "$dir.2.log"
 grep -q "Resumed from $(step_dir "$dir" "$step"): step $step, written by 3 rank(s)" "$dir.2.log" \
   || { cat "$dir.2.log"; fail "did not resume the emergency checkpoint on 2 ranks"; }
 grep -q "^Done: $total steps" "$dir.2.log" || { cat "$dir.2.log"; fail "the resumed run did not finish"; }

@@ -71,6 +71,7 @@ TEST(ConfigTest, ValidationNamesTheField) {
       {"model.name=resnet", "model.name"},
       {"model.dropout=1", "model.dropout"},
       {"output_dir=", "output_dir"},
+      {"partitioning.strategy=zero3", "partitioning.strategy"},
   };
   for (const auto& [assignment, field] : cases) {
     absl::StatusOr<config::TrainerConfig> cfg = BuildConfig("", {assignment});
@@ -80,6 +81,9 @@ TEST(ConfigTest, ValidationNamesTheField) {
   }
   EXPECT_THAT(BuildConfig("", {"data.global_batch_size=10"}, /*world_size=*/3).status().message(),
               HasSubstr("divisible by the world size 3"));
+  EXPECT_THAT(BuildConfig("", {"partitioning.strategy=fully_sharded", "weight_metrics=true"}).status().message(),
+              HasSubstr("'weight_metrics'"));
+  EXPECT_TRUE(BuildConfig("", {"partitioning.strategy=fully_sharded"}).ok());
 }
 
 TEST(ConfigTest, ShippedConfigsAreValidAndRoundTrip) {
