@@ -302,7 +302,13 @@ ShardedDataParallel::ShardedDataParallel(Communicator* communicator, torch::nn::
       unit.slice = (unit.numel + world - 1) / world;
       unit.padded = unit.slice * world;
       const at::Tensor& first = s.parameters[unit.params.front()];
-      unit.flat_param = at::zeros({unit.padded}, first.options().requires_grad(false));
+      // Whole parameters are all-gathered into a collective buffer (shared memory
+      // on one host); fully sharded ones are released between steps, so plain.
+      const at::TensorOptions param_options = first.options().requires_grad(false);
+      unit.flat_param = s.fully_sharded() ? at::zeros({unit.padded}, param_options)
+                                          : communicator->AllocateCollectiveBuffer(unit.padded, param_options,
+                                                                                   options.data_parallel.collective)
+                                                .zero_();
       for (size_t k = 0; k < unit.params.size(); ++k) {
         at::Tensor& p = s.parameters[unit.params[k]];
         at::Tensor view = unit.flat_param.narrow(0, unit.offsets[k], p.numel()).view(p.sizes());

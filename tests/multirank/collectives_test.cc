@@ -182,6 +182,37 @@ TEST_F(CollectivesTest, SharedCollectiveBuffersReduceInPlace) {
   }
 }
 
+// Reduce-scatter from a shared buffer and all-gather into one (the sharded
+// strategies' path on one host) give what MPI gives, round after round.
+TEST_F(CollectivesTest, SharedCollectiveBuffersReduceScatterAndAllGather) {
+  for (at::ScalarType type : {at::kFloat, at::kDouble}) {
+    for (int64_t slice : {int64_t{1}, int64_t{3 * 2048 + 5}, int64_t{(1 << 18) + 3}}) {
+      SCOPED_TRACE(std::string(at::toString(type)) + " slice=" + std::to_string(slice));
+      const int64_t n = slice * size_;
+      at::Tensor buffer = comm_->AllocateCollectiveBuffer(n, at::TensorOptions().dtype(type));
+      ASSERT_THAT(MappingOf(buffer.data_ptr()), ::testing::HasSubstr("/dev/shm/lockstep-"));
+      const at::Tensor pattern = Pattern(n, type);
+      const at::Tensor mine = pattern.narrow(0, rank_ * slice, slice);
+      for (int round = 0; round < 3; ++round) {
+        at::Tensor out = at::empty({slice}, at::TensorOptions().dtype(type));
+        buffer.copy_(pattern * (rank_ + 1 + round));
+        comm_->ReduceScatter(out, buffer, ReduceOp::kSum);
+        EXPECT_TRUE(out.equal(mine * (size_ * (size_ + 1) / 2 + size_ * round)));
+        buffer.copy_(pattern * (2 * rank_ + 1));
+        comm_->ReduceScatter(out, buffer, ReduceOp::kAverage);
+        EXPECT_TRUE(out.equal(mine * size_));
+        // All-gather into the buffer: rank r contributes (r + 1 + round) times its slice.
+        buffer.fill_(-1);
+        comm_->AllGather(buffer, mine * (rank_ + 1 + round));
+        for (int r = 0; r < size_; ++r) {
+          EXPECT_TRUE(buffer.narrow(0, r * slice, slice).equal(pattern.narrow(0, r * slice, slice) * (r + 1 + round)))
+              << "rank " << r << "'s slice";
+        }
+      }
+    }
+  }
+}
+
 // Other dtypes, an empty buffer, and a communicator told not to share get plain
 // tensors, which reduce through MPI as any other.
 TEST_F(CollectivesTest, CollectiveBuffersFallBackToPlainTensors) {

@@ -209,6 +209,22 @@ void ReduceSliceInPlace(const std::vector<void*>& maps, int64_t lo, int64_t hi, 
   }
 }
 
+// The sum (or mean) over ranks of elements [lo, hi) of every rank's buffer,
+// written to `out` (hi - lo elements), in rank order as ReduceSliceInPlace.
+template <typename T>
+void ReduceSliceInto(const std::vector<void*>& maps, int64_t lo, int64_t hi, bool average, T* __restrict out) {
+  const int world = static_cast<int>(maps.size());
+  const T* first = static_cast<const T*>(maps[0]) + lo;
+  std::copy(first, first + (hi - lo), out);
+  for (int r = 1; r < world; ++r) {
+    const T* __restrict src = static_cast<const T*>(maps[r]) + lo;
+    for (int64_t i = 0; i < hi - lo; ++i) out[i] += src[i];
+  }
+  if (average) {
+    for (int64_t i = 0; i < hi - lo; ++i) out[i] /= static_cast<T>(world);
+  }
+}
+
 class MpiCommunicator final : public Communicator {
  public:
   explicit MpiCommunicator(const MpiOptions& options) : options_(options) {
@@ -281,6 +297,22 @@ class MpiCommunicator final : public Communicator {
     CheckSizes(output, input, world_size_, "all_gather");
     CheckCpu(output, "all_gather");
     CheckCpu(input, "all_gather");
+    if (input.scalar_type() == output.scalar_type()) {
+      if (std::shared_ptr<SharedSegment> segment = FindSegment(output)) {
+        // Every rank's output is mapped here: this rank writes its input into each.
+        return Enqueue(Describe("all_gather", input), options,
+                       [this, output, input, segment](Clock::time_point deadline) {
+                         const size_t bytes = input.numel() * input.element_size();
+                         const at::Tensor in = input.contiguous();
+                         BarrierNow(deadline);  // every rank is done with its output's old contents
+                         for (void* map : segment->maps) {
+                           std::memcpy(static_cast<char*>(map) + rank_ * bytes, in.data_ptr(), bytes);
+                         }
+                         std::atomic_thread_fence(std::memory_order_seq_cst);
+                         BarrierNow(deadline);
+                       });
+      }
+    }
     const MPI_Datatype type = MpiType(input.scalar_type());
     const int count = CheckedCount(input.numel(), "all_gather");
     return Enqueue(Describe("all_gather", input), options, [this, output, input, type, count](Clock::time_point d) {
@@ -297,6 +329,26 @@ class MpiCommunicator final : public Communicator {
     CheckCpu(input, "reduce_scatter");
     if (op == ReduceOp::kAverage && !at::isFloatingType(input.scalar_type())) {
       throw InvalidArgumentError("reduce_scatter: average needs a floating-point tensor");
+    }
+    if (op != ReduceOp::kMax && output.scalar_type() == input.scalar_type() && output.is_contiguous()) {
+      if (std::shared_ptr<SharedSegment> segment = FindSegment(input)) {
+        // Every rank's input is mapped here: this rank sums its slice of them.
+        return Enqueue(Describe("reduce_scatter", input), options,
+                       [this, output, input, op, segment](Clock::time_point deadline) {
+                         BarrierNow(deadline);  // every rank's input is complete
+                         std::atomic_thread_fence(std::memory_order_seq_cst);
+                         const int64_t n = output.numel();
+                         const bool average = op == ReduceOp::kAverage;
+                         if (input.scalar_type() == at::kFloat) {
+                           ReduceSliceInto<float>(segment->maps, rank_ * n, (rank_ + 1) * n, average,
+                                                  output.data_ptr<float>());
+                         } else {
+                           ReduceSliceInto<double>(segment->maps, rank_ * n, (rank_ + 1) * n, average,
+                                                   output.data_ptr<double>());
+                         }
+                         BarrierNow(deadline);  // no rank changes its input while another reads it
+                       });
+      }
     }
     const MPI_Datatype type = MpiType(input.scalar_type());
     const int count = CheckedCount(output.numel(), "reduce_scatter");
