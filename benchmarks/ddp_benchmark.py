@@ -15,6 +15,15 @@ rounds of steps/rounds DDP steps ("sync") and, on more than one rank, as many
 under DDP's no_sync() ("nosync": no all-reduce), a barrier between phases. Then
 a forward / backward / optimizer breakdown on the bare module. Rank 0 prints one
 JSON object on the last line of stdout, with the same keys as the Lockstep side.
+
+--zero: the optimizer is torch.distributed.optim.ZeroRedundancyOptimizer over
+the same torch.optim class and settings (ZeRO-1: each rank keeps the state of
+its share of the parameters, whole tensors, and broadcasts them after its
+update), still under DDP; "framework" is then "ddp_zero". Either way the JSON
+has the bytes each rank holds after the timed steps, counted as the Lockstep
+side counts them when it does not shard: parameters, their .grad, and the
+optimizer's state tensors ("step" counters left out, as libtorch keeps them as
+integers); DDP's own bucket buffers are in none of the three.
 """
 import argparse
 import json
@@ -37,6 +46,10 @@ def parse_args(argv=None):
     p.add_argument("--rounds", type=int, default=4)
     p.add_argument("--breakdown-steps", type=int, default=10)
     p.add_argument("--bucket-mb", type=float, default=25.0, help="DDP bucket_cap_mb (DDP's default: 25)")
+    p.add_argument("--zero", action="store_true",
+                   help="torch.distributed.optim.ZeroRedundancyOptimizer around the optimizer (ZeRO-1)")
+    p.add_argument("--no-nosync", dest="nosync", action="store_false",
+                   help="skip the nosync phase (only the sync step time is wanted)")
     p.add_argument("--bind", choices=["core", "none"], default="core",
                    help="core: rank r on core r, as mpirun binds Lockstep's ranks; none: no affinity")
     p.add_argument("--process-settings", choices=["pytorch", "lockstep"], default="pytorch",
@@ -90,9 +103,16 @@ def worker(rank, args, port, queue):
     module, input_shape, classes = build_model(torch, args.model)
     model = torch.nn.parallel.DistributedDataParallel(module, bucket_cap_mb=args.bucket_mb)
     if args.optimizer == "sgd":
-        optimizer = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
+        optimizer_class, settings = torch.optim.SGD, dict(lr=0.01, momentum=0.9)
     else:
-        optimizer = torch.optim.Adam(model.parameters(), lr=1e-3)
+        optimizer_class, settings = torch.optim.Adam, dict(lr=1e-3)
+    if args.zero:
+        from torch.distributed.optim import ZeroRedundancyOptimizer
+        optimizer = ZeroRedundancyOptimizer(model.parameters(), optimizer_class=optimizer_class, **settings)
+        local_optimizer = optimizer.optim  # this rank's share
+    else:
+        optimizer = optimizer_class(model.parameters(), **settings)
+        local_optimizer = optimizer
     torch.manual_seed(1000 + rank)
     batches = [(torch.randn(args.batch_per_rank, *input_shape), torch.randint(classes, (args.batch_per_rank,)))
                for _ in range(4)]
@@ -120,14 +140,22 @@ def worker(rank, args, port, queue):
     rounds = max(1, args.rounds)
     per_round = max(1, args.steps // rounds)
     sync_times, nosync_times = [], []
+    nosync = args.ranks > 1 and args.nosync
     phase(True, args.warmup_steps, None)
-    if args.ranks > 1:
+    if nosync:
         phase(False, args.warmup_steps, None)
     for _ in range(rounds):
         phase(True, per_round, sync_times)
-        if args.ranks > 1:
+        if nosync:
             phase(False, per_round, nosync_times)
     rss_mib = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024.0
+    # What this rank holds between steps (before the breakdown loop, which adds nothing
+    # to it but would blur the point in time).
+    nbytes = lambda t: t.numel() * t.element_size()
+    held = [sum(nbytes(p) for p in module.parameters()),
+            sum(nbytes(p.grad) for p in module.parameters() if p.grad is not None),
+            sum(nbytes(v) for state in local_optimizer.state.values() for k, v in state.items()
+                if torch.is_tensor(v) and k != "step")]
 
     forward, backward, update = [], [], []
     breakdown_warmup = min(2, args.breakdown_steps)
@@ -150,14 +178,14 @@ def worker(rank, args, port, queue):
         return statistics.median(v) if v else 0.0
 
     mine = torch.tensor([median(sync_times), median(nosync_times), rss_mib, median(forward), median(backward),
-                         median(update)], dtype=torch.float64)
+                         median(update)] + held, dtype=torch.float64)
     gathered = [torch.zeros_like(mine) for _ in range(args.ranks)]
     dist.all_gather(gathered, mine)
     if rank == 0:
         col = lambda k, scale=1e3: [float(g[k]) * scale for g in gathered]
         grad_bytes = sum(p.numel() * p.element_size() for p in module.parameters())
         queue.put({
-            "framework": "ddp", "model": args.model, "ranks": args.ranks, "batch_per_rank": args.batch_per_rank,
+            "framework": "ddp_zero" if args.zero else "ddp", "model": args.model, "ranks": args.ranks, "batch_per_rank": args.batch_per_rank,
             "threads": torch.get_num_threads(), "optimizer": args.optimizer,
             "parameters": sum(p.numel() for p in module.parameters() if p.requires_grad),
             "gradient_bytes": grad_bytes,
@@ -168,6 +196,11 @@ def worker(rank, args, port, queue):
             "max_rss_mib_per_rank": col(2, 1.0),
             "forward_ms_median_per_rank": col(3), "backward_ms_median_per_rank": col(4),
             "optimizer_ms_median_per_rank": col(5),
+            # Rank 0's bytes after the timed steps, then every rank's.
+            "bytes_parameters": held[0], "bytes_gradients": held[1], "bytes_optimizer_state": held[2],
+            "bytes_parameters_per_rank": [int(g[6]) for g in gathered],
+            "bytes_gradients_per_rank": [int(g[7]) for g in gathered],
+            "bytes_optimizer_state_per_rank": [int(g[8]) for g in gathered],
         })
     dist.barrier()
     # Skip the process group's teardown: ProcessGroupGloo's destructor can deadlock

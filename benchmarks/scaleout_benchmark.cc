@@ -16,6 +16,16 @@
 // forward / backward / optimizer breakdown from a hand-written loop on the same
 // model and batches.
 //
+// --partitioning picks how the ranks partition the train state
+// (TrainerOptions::partitioning; any name ParsePartitioningStrategy accepts), and
+// the JSON reports the bytes of parameters, gradients and optimizer state each
+// rank holds after the timed steps: ShardedDataParallel::bytes() under a sharded
+// strategy on more than one rank, otherwise the same three counted from the
+// model's parameters, their .grad and the optimizer's state tensors, so that the
+// ratio of the two is like for like. Under a sharded strategy there is no nosync
+// phase and no breakdown loop: both drive the optimizer outside the sharded step,
+// and it now holds this rank's slices only.
+//
 // --mode=collectives: all-reduce of float32 messages of each size, the
 // Communicator against raw MPI_Allreduce on MPI_COMM_WORLD, in the same run: on
 // a buffer from AllocateCollectiveBuffer, as gradient buckets use ("lockstep_s"),
@@ -24,12 +34,16 @@
 #include <ATen/ATen.h>
 #include <mpi.h>
 #include <sys/resource.h>
+#include <torch/optim/adam.h>
+#include <torch/optim/adamw.h>
+#include <torch/optim/sgd.h>
 
 #include <algorithm>
 #include <chrono>
 #include <cstdio>
 #include <cstdlib>
 #include <memory>
+#include <optional>
 #include <sstream>
 #include <string>
 #include <vector>
@@ -40,6 +54,7 @@
 #include "lockstep/models.h"
 #include "lockstep/mpi_communicator.h"
 #include "lockstep/runtime.h"
+#include "lockstep/sharded_data_parallel.h"
 #include "lockstep/torch_setup.h"
 #include "lockstep/trainer.h"
 
@@ -47,6 +62,10 @@ ABSL_FLAG(std::string, mode, "train", "train or collectives");
 ABSL_FLAG(std::string, model, "small_mlp", "small_mlp (784-256-256-10), wide_mlp (1024-4096-4096-1024) or cnn");
 ABSL_FLAG(int64_t, batch_per_rank, 32, "examples per rank per step (weak scaling)");
 ABSL_FLAG(std::string, optimizer, "sgd", "sgd (momentum 0.9) or adam");
+ABSL_FLAG(std::string, partitioning, "replicated",
+          "how the ranks partition the train state: replicated, sharded_optimizer_state, sharded_gradients, or "
+          "any other strategy lockstep::ParsePartitioningStrategy accepts");
+ABSL_FLAG(bool, nosync_phase, true, "also time steps without communication (nosync) on more than one rank");
 ABSL_FLAG(int, threads, 1, "intra-op threads per rank");
 ABSL_FLAG(int, warmup_steps, 5, "untimed steps of each phase before the timed ones");
 ABSL_FLAG(int, steps, 40, "timed steps per phase, spread over the rounds");
@@ -175,6 +194,39 @@ class CyclingIterator : public BatchIterator {
   size_t next_ = 0;
 };
 
+int64_t Bytes(const at::Tensor& t) { return t.defined() ? t.numel() * static_cast<int64_t>(t.element_size()) : 0; }
+
+// The tensors of one parameter's optimizer state, for the optimizers this
+// benchmark makes (SGD's BlockedSgd is a torch::optim::SGD).
+int64_t OptimizerStateBytes(const torch::optim::OptimizerParamState& state) {
+  if (const auto* s = dynamic_cast<const torch::optim::SGDParamState*>(&state)) return Bytes(s->momentum_buffer());
+  if (const auto* s = dynamic_cast<const torch::optim::AdamParamState*>(&state)) {
+    return Bytes(s->exp_avg()) + Bytes(s->exp_avg_sq()) + Bytes(s->max_exp_avg_sq());
+  }
+  if (const auto* s = dynamic_cast<const torch::optim::AdamWParamState*>(&state)) {
+    return Bytes(s->exp_avg()) + Bytes(s->exp_avg_sq()) + Bytes(s->max_exp_avg_sq());
+  }
+  return 0;
+}
+
+// What this rank holds between steps: ShardedDataParallel's own account when the
+// state is sharded; otherwise the same three quantities counted from the model's
+// parameters, their gradients and the optimizer's state, so that sharded and
+// replicated runs compare like for like.
+PartitionedBytes HeldBytes(const TrainState& state, const ShardedDataParallel* sharded) {
+  if (sharded != nullptr) return sharded->bytes();
+  PartitionedBytes b;
+  for (const at::Tensor& p : state.model->parameters()) {
+    b.parameters += Bytes(p);
+    b.gradients += Bytes(p.grad());
+  }
+  for (const auto& [key, param_state] : state.optimizer->state()) {
+    (void)key;
+    b.optimizer_state += OptimizerStateBytes(*param_state);
+  }
+  return b;
+}
+
 OptimizerOptions Optimizer(const std::string& name) {
   OptimizerOptions o;
   if (name == "sgd") {
@@ -198,6 +250,12 @@ int RunTrain(Communicator& comm, const Runtime& runtime) {
   const int per_round = std::max(1, absl::GetFlag(FLAGS_steps) / rounds);
   const int world = comm.world_size();
   const ModelSpec spec = Spec(model_name);
+  const std::string partitioning_name = absl::GetFlag(FLAGS_partitioning);
+  const std::optional<PartitioningStrategy> partitioning = ParsePartitioningStrategy(partitioning_name);
+  if (!partitioning) {
+    throw InvalidArgumentError("unknown --partitioning '" + partitioning_name +
+                               "' (replicated, sharded_optimizer_state, sharded_gradients, ...)");
+  }
 
   at::manual_seed(0);
   BuiltModel model = BuildModel(spec.options);
@@ -213,11 +271,25 @@ int RunTrain(Communicator& comm, const Runtime& runtime) {
   options.summary_every_steps = 1 << 30;
   options.communicator = &comm;
   options.data_parallel.bucket_bytes = static_cast<size_t>(absl::GetFlag(FLAGS_bucket_mb) * (1 << 20));
+  options.partitioning = *partitioning;
   Trainer sync(state, model.apply, CrossEntropyLoss(), options, runtime);
-  TrainerOptions alone_options = options;
-  alone_options.communicator = nullptr;
-  Trainer alone(state, model.apply, CrossEntropyLoss(), alone_options, runtime);
   DataParallel* dp = sync.data_parallel();
+  ShardedDataParallel* sharded = sync.sharded_data_parallel();
+  // The nosync phase: a Trainer on the same state without a communicator. Not
+  // under a sharded strategy, whose optimizer now updates this rank's slices only.
+  const bool nosync = world > 1 && sharded == nullptr && absl::GetFlag(FLAGS_nosync_phase);
+  std::unique_ptr<Trainer> alone;
+  if (nosync) {
+    TrainerOptions alone_options = options;
+    alone_options.communicator = nullptr;
+    alone_options.partitioning = PartitioningStrategy::kReplicated;
+    alone = std::make_unique<Trainer>(state, model.apply, CrossEntropyLoss(), alone_options, runtime);
+  }
+  // Seconds blocked on communication so far, whichever of the two does it.
+  auto comm_wait = [&] {
+    return dp != nullptr ? dp->communication_wait_seconds()
+                         : sharded != nullptr ? sharded->communication_wait_seconds() : 0.0;
+  };
   CyclingIterator data(spec, batch, comm.rank());
 
   std::vector<double> sync_times, nosync_times, wait_times, bucket_wait_times;
@@ -226,18 +298,18 @@ int RunTrain(Communicator& comm, const Runtime& runtime) {
   // norms) is in every timed step and the summary at the end of the call (metrics
   // combined over ranks once per summary period) is in none.
   auto run_phase = [&](Trainer& trainer, int steps, std::vector<double>* times, bool timed_waits) {
-    double wait_before = dp ? dp->communication_wait_seconds() : 0.0;
+    double wait_before = comm_wait();
     double bucket_before = dp ? dp->bucketer().wait_seconds() : 0.0;
     auto start = Clock::now();
     trainer.set_stop_check([&](int64_t) {
       if (times != nullptr) {
         times->push_back(Since(start));
         if (timed_waits) {
-          wait_times.push_back(dp ? dp->communication_wait_seconds() - wait_before : 0.0);
+          wait_times.push_back(comm_wait() - wait_before);
           bucket_wait_times.push_back(dp ? dp->bucketer().wait_seconds() - bucket_before : 0.0);
         }
       }
-      wait_before = dp ? dp->communication_wait_seconds() : 0.0;
+      wait_before = comm_wait();
       bucket_before = dp ? dp->bucketer().wait_seconds() : 0.0;
       start = Clock::now();
       return false;
@@ -247,19 +319,22 @@ int RunTrain(Communicator& comm, const Runtime& runtime) {
     comm.Barrier();
   };
   run_phase(sync, warmup, nullptr, false);
-  if (world > 1) run_phase(alone, warmup, nullptr, false);
+  if (nosync) run_phase(*alone, warmup, nullptr, false);
   for (int r = 0; r < rounds; ++r) {
     run_phase(sync, per_round, &sync_times, true);
-    if (world > 1) run_phase(alone, per_round, &nosync_times, false);
+    if (nosync) run_phase(*alone, per_round, &nosync_times, false);
   }
   const double rss = MaxRssMib();
+  // Before the breakdown loop, which would add gradients a sharded run does not keep.
+  const PartitionedBytes held = HeldBytes(state, sharded);
 
   // Forward / backward / optimizer of a hand-written loop on the same model and
   // batches, without communication.
   std::vector<double> forward, backward, update;
   torch::optim::Optimizer& optimizer = *state.optimizer;
-  const int breakdown_warmup = std::min(2, absl::GetFlag(FLAGS_breakdown_steps));
-  for (int i = 0; i < breakdown_warmup + absl::GetFlag(FLAGS_breakdown_steps); ++i) {
+  const int breakdown_steps = sharded != nullptr ? 0 : absl::GetFlag(FLAGS_breakdown_steps);
+  const int breakdown_warmup = std::min(2, breakdown_steps);
+  for (int i = 0; i < breakdown_warmup + breakdown_steps; ++i) {
     const Batch& b = data.Peek(i);
     const auto t0 = Clock::now();
     optimizer.zero_grad();
@@ -277,11 +352,13 @@ int RunTrain(Communicator& comm, const Runtime& runtime) {
 
   const std::vector<double> per_rank =
       GatherAll(comm, {Median(sync_times), Median(nosync_times), Median(wait_times), Median(bucket_wait_times), rss,
-                       Median(forward), Median(backward), Median(update)});
+                       Median(forward), Median(backward), Median(update), static_cast<double>(held.parameters),
+                       static_cast<double>(held.gradients), static_cast<double>(held.optimizer_state)});
   if (comm.rank() != 0) return 0;
+  constexpr int kColumns = 11;
   auto column = [&](int k) {
     std::vector<double> out;
-    for (int r = 0; r < world; ++r) out.push_back(per_rank[8 * r + k]);
+    for (int r = 0; r < world; ++r) out.push_back(per_rank[kColumns * r + k]);
     return out;
   };
   auto ms = [](std::vector<double> v) {
@@ -295,6 +372,8 @@ int RunTrain(Communicator& comm, const Runtime& runtime) {
       .Num("batch_per_rank", static_cast<double>(batch))
       .Num("threads", at::get_num_threads())
       .Str("optimizer", absl::GetFlag(FLAGS_optimizer))
+      .Str("partitioning", partitioning_name)
+      .Num("sharded", sharded != nullptr ? 1 : 0)
       .Num("parameters", static_cast<double>(CountTrainableWeights(*state.model)))
       .Num("gradient_bytes", static_cast<double>(grad_bytes))
       .Array("parameter_bytes", parameter_bytes)
@@ -309,7 +388,14 @@ int RunTrain(Communicator& comm, const Runtime& runtime) {
       .Array("max_rss_mib_per_rank", column(4))
       .Array("forward_ms_median_per_rank", ms(column(5)))
       .Array("backward_ms_median_per_rank", ms(column(6)))
-      .Array("optimizer_ms_median_per_rank", ms(column(7)));
+      .Array("optimizer_ms_median_per_rank", ms(column(7)))
+      // Rank 0's bytes after the timed steps, then every rank's.
+      .Num("bytes_parameters", static_cast<double>(held.parameters))
+      .Num("bytes_gradients", static_cast<double>(held.gradients))
+      .Num("bytes_optimizer_state", static_cast<double>(held.optimizer_state))
+      .Array("bytes_parameters_per_rank", column(8))
+      .Array("bytes_gradients_per_rank", column(9))
+      .Array("bytes_optimizer_state_per_rank", column(10));
   std::printf("%s\n", json.Done().c_str());
   return 0;
 }

@@ -2,10 +2,6 @@
 
 #include <ATen/ATen.h>
 #include <ATen/core/grad_mode.h>
-#include <c10/util/strides.h>
-#include <torch/csrc/autograd/function.h>
-#include <torch/csrc/autograd/utils/lambda_post_hook.h>
-#include <torch/csrc/autograd/variable.h>
 #include <torch/nn/module.h>
 
 #include <chrono>
@@ -19,6 +15,7 @@
 #include "lockstep/agreement.h"
 #include "lockstep/coordination.h"
 #include "lockstep/hashing.h"
+#include "gradient_readiness.h"
 
 namespace lockstep {
 
@@ -26,7 +23,6 @@ struct GradientBucketer::State {
   struct Bucket {
     std::vector<size_t> params;
     at::Tensor flat;
-    int pending = 0;
     std::shared_ptr<Work> work;
   };
 
@@ -40,10 +36,7 @@ struct GradientBucketer::State {
   std::vector<at::Tensor> views;
   std::vector<Bucket> buckets;
   std::vector<std::vector<size_t>> layout;
-  std::vector<std::pair<std::shared_ptr<torch::autograd::Node>, uintptr_t>> hooks;
-  bool armed = false;
-  size_t next_to_launch = 0;
-  int launched_during_backward = 0;
+  std::unique_ptr<internal::GradientReadiness> readiness;  // launches buckets from autograd hooks
   size_t bucket_bytes = 0;
   double wait_seconds = 0.0;  // blocked in Finish, summed
   // The order in which gradients became final in the first synchronised backward;
@@ -81,11 +74,7 @@ struct GradientBucketer::State {
       int64_t offset = 0;
       for (size_t p : bucket.params) {
         at::Tensor& param = parameters[p];
-        // A plain tensor on the bucket's storage rather than an autograd view of
-        // it, so that optimizers may detach_() and zero_() it like any gradient.
-        at::Tensor view = at::empty({0}, bucket.flat.options());
-        view.set_(bucket.flat.storage(), bucket.flat.storage_offset() + offset, param.sizes(),
-                  c10::contiguous_strides(param.sizes()));
+        at::Tensor view = internal::PlainView(bucket.flat, offset, param.sizes());
         offset += param.numel();
         // Gradients already there (the rebuild after the first step) move into the
         // new buffers.
@@ -97,25 +86,7 @@ struct GradientBucketer::State {
       }
       layout.push_back(bucket.params);
     }
-  }
-
-  bool GradIsView(size_t p) const {
-    const at::Tensor& grad = parameters[p].grad();
-    return grad.defined() && grad.data_ptr() == views[p].data_ptr() && grad.sizes() == views[p].sizes();
-  }
-
-  // Makes parameter p's .grad its bucket view, keeping the gradient's value (zero
-  // when it has none). Only when something replaced it: a user's zero_grad that
-  // sets gradients to none, or the first backward.
-  void PointGradAtView(size_t p) {
-    if (GradIsView(p)) return;
-    at::Tensor& param = parameters[p];
-    if (param.grad().defined()) {
-      views[p].copy_(param.grad());
-    } else {
-      views[p].zero_();
-    }
-    param.mutable_grad() = views[p];
+    readiness->SetGroups(layout);
   }
 
   // After the first synchronised step: every rank takes rank 0's ready order.
@@ -136,36 +107,10 @@ struct GradientBucketer::State {
 
   void Launch(size_t b) {
     Bucket& bucket = buckets[b];
-    {
-      // Normally every gradient already is its view (Arm made it so). Not when a
-      // hook or the user replaced one since: its value is copied in.
-      at::NoGradGuard no_grad;
-      for (size_t p : bucket.params) {
-        if (GradIsView(p)) continue;
-        const at::Tensor& grad = parameters[p].grad();
-        if (grad.defined()) {
-          views[p].copy_(grad);
-        } else {
-          views[p].zero_();  // no gradient counts as zero
-        }
-      }
-    }
+    // Normally every gradient already is its view (Arm made it so). Not when a
+    // hook or the user replaced one since: its value is copied in.
+    for (size_t p : bucket.params) internal::CopyGradInto(parameters[p], views[p]);
     bucket.work = communicator->AllReduceAsync(bucket.flat, ReduceOp::kSum, collective);
-  }
-
-  // Starts every consecutive ready bucket from next_to_launch on.
-  void LaunchReady() {
-    while (next_to_launch < buckets.size() && buckets[next_to_launch].pending == 0) {
-      Launch(next_to_launch++);
-      ++launched_during_backward;
-    }
-  }
-
-  void OnGradientFinal(size_t p) {
-    if (!armed) return;
-    if (!rebuilt) ready_order.push_back(p);
-    Bucket& bucket = buckets[bucket_of[p]];
-    if (--bucket.pending == 0) LaunchReady();
   }
 };
 
@@ -180,54 +125,37 @@ GradientBucketer::GradientBucketer(Communicator* communicator, std::vector<at::T
   s.bucket_of.assign(s.parameters.size(), 0);
   s.views.resize(s.parameters.size());
   s.bucket_bytes = options.bucket_bytes;
+  State* state = &s;  // the readiness is the state's, so it never outlives it
+  s.readiness = std::make_unique<internal::GradientReadiness>(
+      s.parameters, [state](size_t b) { state->Launch(b); },
+      [state](size_t p) {
+        if (!state->rebuilt) state->ready_order.push_back(p);
+      });
   // Until the first backward shows the real order: reverse registration order,
   // which is roughly the order backward produces gradients in.
   std::vector<size_t> reverse(s.parameters.size());
   for (size_t i = 0; i < reverse.size(); ++i) reverse[i] = reverse.size() - 1 - i;
   s.Layout(reverse);
-  // A post hook on each parameter's gradient accumulator runs once the gradient of
-  // this backward pass has been added to .grad.
-  std::weak_ptr<State> weak = state_;
-  for (size_t i = 0; i < s.parameters.size(); ++i) {
-    if (!s.parameters[i].requires_grad()) continue;
-    std::shared_ptr<torch::autograd::Node> accumulator = torch::autograd::impl::grad_accumulator(s.parameters[i]);
-    const uintptr_t key = accumulator->add_post_hook(std::make_unique<torch::autograd::utils::LambdaPostHook>(
-        [weak, i](const torch::autograd::variable_list& outputs, const torch::autograd::variable_list&) {
-          if (auto state = weak.lock()) state->OnGradientFinal(i);
-          return outputs;
-        }));
-    s.hooks.emplace_back(std::move(accumulator), key);
-  }
 }
 
-GradientBucketer::~GradientBucketer() {
-  for (auto& [node, key] : state_->hooks) node->del_post_hook(key);
-}
+GradientBucketer::~GradientBucketer() = default;
 
 void GradientBucketer::Arm() {
   State& s = *state_;
   {
     at::NoGradGuard no_grad;
     for (size_t p = 0; p < s.parameters.size(); ++p) {
-      if (s.parameters[p].requires_grad()) s.PointGradAtView(p);
+      if (s.parameters[p].requires_grad()) internal::PointGradAt(s.parameters[p], s.views[p]);
     }
   }
-  for (State::Bucket& bucket : s.buckets) {
-    bucket.pending = 0;
-    for (size_t p : bucket.params) bucket.pending += s.parameters[p].requires_grad() ? 1 : 0;
-    bucket.work.reset();
-  }
-  s.next_to_launch = 0;
-  s.launched_during_backward = 0;
-  s.armed = true;
-  s.LaunchReady();  // buckets without trainable parameters
+  for (State::Bucket& bucket : s.buckets) bucket.work.reset();
+  s.readiness->Arm();
 }
 
 void GradientBucketer::Finish() {
   State& s = *state_;
-  if (!s.armed) Arm();
-  s.armed = false;
-  while (s.next_to_launch < s.buckets.size()) s.Launch(s.next_to_launch++);
+  if (!s.readiness->armed()) Arm();
+  s.readiness->LaunchRest();
   at::NoGradGuard no_grad;
   for (State::Bucket& bucket : s.buckets) {
     const auto wait_start = std::chrono::steady_clock::now();
@@ -235,14 +163,14 @@ void GradientBucketer::Finish() {
     s.wait_seconds += std::chrono::duration<double>(std::chrono::steady_clock::now() - wait_start).count();
     // The sums are in the views; a gradient that is not one (see Launch) becomes one.
     for (size_t p : bucket.params) {
-      if (!s.GradIsView(p)) s.parameters[p].mutable_grad() = s.views[p];
+      if (!internal::GradIs(s.parameters[p], s.views[p])) s.parameters[p].mutable_grad() = s.views[p];
     }
   }
   if (!s.rebuilt) s.RebuildFromReadyOrder();
 }
 
 const std::vector<std::vector<size_t>>& GradientBucketer::buckets() const { return state_->layout; }
-int GradientBucketer::launched_during_backward() const { return state_->launched_during_backward; }
+int GradientBucketer::launched_during_backward() const { return state_->readiness->launched_during_backward(); }
 double GradientBucketer::wait_seconds() const { return state_->wait_seconds; }
 
 namespace {

@@ -2,10 +2,6 @@
 
 #include <ATen/ATen.h>
 #include <ATen/core/grad_mode.h>
-#include <c10/util/strides.h>
-#include <torch/csrc/autograd/function.h>
-#include <torch/csrc/autograd/utils/lambda_post_hook.h>
-#include <torch/csrc/autograd/variable.h>
 #include <torch/nn/module.h>
 #include <torch/optim/adagrad.h>
 #include <torch/optim/adam.h>
@@ -20,6 +16,7 @@
 #include <utility>
 
 #include "lockstep/errors.h"
+#include "gradient_readiness.h"
 
 namespace lockstep {
 
@@ -60,11 +57,7 @@ int64_t Bytes(const at::Tensor& t) { return t.defined() ? t.numel() * static_cas
 // Elements [offset, offset + n) of a flat tensor as a plain tensor on its
 // storage, not an autograd view: optimizers detach_() and zero_() gradients, which
 // libtorch refuses on views.
-at::Tensor PlainSlice(const at::Tensor& flat, int64_t offset, int64_t n) {
-  at::Tensor slice = at::empty({0}, flat.options());
-  slice.set_(flat.storage(), flat.storage_offset() + offset, {n}, {1});
-  return slice;
-}
+at::Tensor PlainSlice(const at::Tensor& flat, int64_t offset, int64_t n) { return internal::PlainView(flat, offset, {n}); }
 
 // A fully sharded unit's gathered parameters: the storage is released between
 // steps and allocated again (same size, same allocator) for the next gather; the
@@ -114,7 +107,6 @@ struct ShardedDataParallel::State {
     at::Tensor shard;       // this rank's slice of flat_param (fully sharded: its own tensor): the optimizer's parameter
     at::Tensor shard_grad;  // this rank's slice of the summed gradients
     at::Tensor send;        // the updated slice, all-gathered from here
-    int pending = 0;
     std::shared_ptr<Work> work;
   };
 
@@ -126,10 +118,8 @@ struct ShardedDataParallel::State {
   std::vector<at::Tensor> views;  // parameter -> its slice of its unit's flat_grad
   std::vector<Unit> units;
   std::shared_ptr<ShardedLayout> layout;
-  std::vector<std::pair<std::shared_ptr<torch::autograd::Node>, uintptr_t>> hooks;
-  bool armed = false;
+  std::unique_ptr<internal::GradientReadiness> readiness;  // starts units' reductions from autograd hooks
   bool gathered = true;  // fully sharded: the flat buffers hold current parameters
-  size_t next_to_launch = 0;
   double wait_seconds = 0;
 
   int rank() const { return communicator->rank(); }
@@ -166,19 +156,13 @@ struct ShardedDataParallel::State {
     }
     for (size_t k = 0; k < unit.params.size(); ++k) {
       const size_t p = unit.params[k];
-      at::Tensor view = at::empty({0}, grad_options);
-      view.set_(unit.flat_grad.storage(), unit.flat_grad.storage_offset() + unit.offsets[k], parameters[p].sizes(),
-                c10::contiguous_strides(parameters[p].sizes()));
+      at::Tensor view = internal::PlainView(unit.flat_grad, unit.offsets[k], parameters[p].sizes());
       views[p] = view;
       if (parameters[p].requires_grad()) parameters[p].mutable_grad() = view;
     }
   }
 
-  bool GradIsView(size_t p) const {
-    const at::Tensor& grad = parameters[p].grad();
-    return grad.defined() && views[p].defined() && grad.data_ptr() == views[p].data_ptr() &&
-           grad.sizes() == views[p].sizes();
-  }
+  bool GradIsView(size_t p) const { return internal::GradIs(parameters[p], views[p]); }
 
   void EnsureGradients() {
     for (Unit& unit : units) {
@@ -188,18 +172,7 @@ struct ShardedDataParallel::State {
 
   void Launch(size_t u) {
     Unit& unit = units[u];
-    {
-      at::NoGradGuard no_grad;
-      for (size_t p : unit.params) {
-        if (GradIsView(p)) continue;
-        const at::Tensor& grad = parameters[p].grad();
-        if (grad.defined()) {
-          views[p].copy_(grad);
-        } else {
-          views[p].zero_();  // no gradient counts as zero
-        }
-      }
-    }
+    for (size_t p : unit.params) internal::CopyGradInto(parameters[p], views[p]);
     const CollectiveOptions& collective = options.data_parallel.collective;
     if (sharded_gradients()) {
       unit.work = communicator->ReduceScatterAsync(unit.shard_grad, unit.flat_grad, ReduceOp::kSum, collective);
@@ -210,14 +183,6 @@ struct ShardedDataParallel::State {
     }
   }
 
-  void LaunchReady() {
-    while (next_to_launch < units.size() && units[next_to_launch].pending == 0) Launch(next_to_launch++);
-  }
-
-  void OnGradientFinal(size_t p) {
-    if (!armed) return;
-    if (--units[unit_of[p]].pending == 0) LaunchReady();
-  }
 
   void WaitFor(Work& work) {
     const auto start = std::chrono::steady_clock::now();
@@ -346,22 +311,14 @@ ShardedDataParallel::ShardedDataParallel(Communicator* communicator, torch::nn::
   s.layout = std::move(layout);
   if (s.fully_sharded()) s.Release();
 
-  std::weak_ptr<State> weak = state_;
-  for (size_t i = 0; i < s.parameters.size(); ++i) {
-    if (!s.parameters[i].requires_grad()) continue;
-    std::shared_ptr<torch::autograd::Node> accumulator = torch::autograd::impl::grad_accumulator(s.parameters[i]);
-    const uintptr_t key = accumulator->add_post_hook(std::make_unique<torch::autograd::utils::LambdaPostHook>(
-        [weak, i](const torch::autograd::variable_list& outputs, const torch::autograd::variable_list&) {
-          if (auto state = weak.lock()) state->OnGradientFinal(i);
-          return outputs;
-        }));
-    s.hooks.emplace_back(std::move(accumulator), key);
-  }
+  State* state = &s;  // the readiness is the state's, so it never outlives it
+  s.readiness = std::make_unique<internal::GradientReadiness>(s.parameters, [state](size_t u) { state->Launch(u); });
+  std::vector<std::vector<size_t>> groups;
+  for (const State::Unit& unit : s.units) groups.push_back(unit.params);
+  s.readiness->SetGroups(groups);
 }
 
-ShardedDataParallel::~ShardedDataParallel() {
-  for (auto& [node, key] : state_->hooks) node->del_post_hook(key);
-}
+ShardedDataParallel::~ShardedDataParallel() = default;
 
 void ShardedDataParallel::Gather() {
   if (state_->fully_sharded()) state_->Gather();
@@ -397,31 +354,17 @@ void ShardedDataParallel::Arm() {
   {
     at::NoGradGuard no_grad;
     for (size_t p = 0; p < s.parameters.size(); ++p) {
-      if (!s.parameters[p].requires_grad() || s.GradIsView(p)) continue;
-      at::Tensor& param = s.parameters[p];
-      if (param.grad().defined()) {
-        s.views[p].copy_(param.grad());
-      } else {
-        s.views[p].zero_();
-      }
-      param.mutable_grad() = s.views[p];
+      if (s.parameters[p].requires_grad()) internal::PointGradAt(s.parameters[p], s.views[p]);
     }
   }
-  for (State::Unit& unit : s.units) {
-    unit.pending = 0;
-    for (size_t p : unit.params) unit.pending += s.parameters[p].requires_grad() ? 1 : 0;
-    unit.work.reset();
-  }
-  s.next_to_launch = 0;
-  s.armed = true;
-  s.LaunchReady();
+  for (State::Unit& unit : s.units) unit.work.reset();
+  s.readiness->Arm();
 }
 
 void ShardedDataParallel::Finish() {
   State& s = *state_;
-  if (!s.armed) Arm();
-  s.armed = false;
-  while (s.next_to_launch < s.units.size()) s.Launch(s.next_to_launch++);
+  if (!s.readiness->armed()) Arm();
+  s.readiness->LaunchRest();
   for (State::Unit& unit : s.units) s.WaitFor(*unit.work);
   at::NoGradGuard no_grad;
   for (State::Unit& unit : s.units) {
