@@ -70,7 +70,7 @@ class Communicator {
   // dtype or device the backend does not take; CollectiveError when broken.
   virtual std::shared_ptr<Work> AllReduceAsync(at::Tensor tensor, ReduceOp op, const CollectiveOptions& options) = 0;
   // `output` (world_size * n elements) receives every rank's `input` (n elements),
-  // rank r's at offset r * n.
+  // rank r's at offset r * n. In place when `input` is this rank's slice of `output`.
   virtual std::shared_ptr<Work> AllGatherAsync(at::Tensor output, at::Tensor input,
                                                const CollectiveOptions& options) = 0;
   // `input` has world_size * n elements; rank r's `output` (n elements) receives

@@ -76,6 +76,12 @@ void AllocateStorage(const at::Tensor& flat) {
   storage->set_nbytes(nbytes);
 }
 
+// The square of a tensor's L2 norm (libtorch's norm, without a float64 copy).
+double SquaredNorm(const at::Tensor& t) {
+  const double norm = t.norm(2).item<double>();
+  return norm * norm;
+}
+
 // The bytes of one parameter's state in the element-wise optimizers.
 int64_t OptimizerStateBytes(const torch::optim::OptimizerParamState& state) {
   using namespace torch::optim;  // NOLINT: the state types below
@@ -106,8 +112,8 @@ struct ShardedDataParallel::State {
     at::Tensor flat_grad;   // kShardedGradients: only while a step runs
     at::Tensor shard;       // this rank's slice of flat_param (fully sharded: its own tensor): the optimizer's parameter
     at::Tensor shard_grad;  // this rank's slice of the summed gradients
-    at::Tensor send;        // the updated slice, all-gathered from here
     std::shared_ptr<Work> work;
+    bool params_released = false;  // fully sharded, between steps
   };
 
   Communicator* communicator = nullptr;  // Not owned.
@@ -132,14 +138,22 @@ struct ShardedDataParallel::State {
     std::vector<std::shared_ptr<Work>> works;
     for (auto unit = units.rbegin(); unit != units.rend(); ++unit) {
       AllocateStorage(unit->flat_param);
+      unit->params_released = false;
       works.push_back(communicator->AllGatherAsync(unit->flat_param, unit->shard, options.data_parallel.collective));
     }
     for (auto& work : works) WaitFor(*work);
     gathered = true;
   }
 
+  // A fully sharded unit's gathered parameters go back to the allocator.
+  void ReleaseParameters(Unit& unit) {
+    if (unit.params_released) return;
+    ReleaseStorage(unit.flat_param);
+    unit.params_released = true;
+  }
+
   void Release() {
-    for (Unit& unit : units) ReleaseStorage(unit.flat_param);
+    for (Unit& unit : units) ReleaseParameters(unit);
     gathered = false;
   }
 
@@ -148,8 +162,12 @@ struct ShardedDataParallel::State {
     at::NoGradGuard no_grad;
     const at::TensorOptions grad_options = unit.flat_param.options();
     if (sharded_gradients()) {
-      unit.flat_grad = at::zeros({unit.padded}, grad_options);
+      // Allocated for each step and freed after it (the allocator keeps the memory
+      // for the next one, so no page is faulted in again).
+      unit.flat_grad = at::empty({unit.padded}, grad_options);
+      unit.flat_grad.narrow(0, unit.numel, unit.padded - unit.numel).zero_();  // the views cover the rest
     } else {
+      // Kept: all-reduced where the communicator reduces fastest (shared memory on one host).
       unit.flat_grad = communicator->AllocateCollectiveBuffer(unit.padded, grad_options, options.data_parallel.collective)
                            .zero_();
       unit.shard_grad = PlainSlice(unit.flat_grad, rank() * unit.slice, unit.slice);
@@ -177,7 +195,7 @@ struct ShardedDataParallel::State {
     if (sharded_gradients()) {
       unit.work = communicator->ReduceScatterAsync(unit.shard_grad, unit.flat_grad, ReduceOp::kSum, collective);
       // Its backward is done: the gathered parameters are not needed until the next step.
-      if (fully_sharded()) ReleaseStorage(unit.flat_param);
+      if (fully_sharded()) ReleaseParameters(unit);
     } else {
       unit.work = communicator->AllReduceAsync(unit.flat_grad, ReduceOp::kSum, collective);
     }
@@ -267,8 +285,8 @@ ShardedDataParallel::ShardedDataParallel(Communicator* communicator, torch::nn::
       unit.slice = (unit.numel + world - 1) / world;
       unit.padded = unit.slice * world;
       const at::Tensor& first = s.parameters[unit.params.front()];
-      // Whole parameters are all-gathered into a collective buffer (shared memory
-      // on one host); fully sharded ones are released between steps, so plain.
+      // Whole parameters are kept in a collective buffer, all-gathered in place
+      // (shared memory on one host); fully sharded ones come and go with each step.
       const at::TensorOptions param_options = first.options().requires_grad(false);
       unit.flat_param = s.fully_sharded() ? at::zeros({unit.padded}, param_options)
                                           : communicator->AllocateCollectiveBuffer(unit.padded, param_options,
@@ -284,7 +302,6 @@ ShardedDataParallel::ShardedDataParallel(Communicator* communicator, torch::nn::
         unit.shard = unit.flat_param.narrow(0, s.rank() * unit.slice, unit.slice).clone();
       } else {
         unit.shard = PlainSlice(unit.flat_param, s.rank() * unit.slice, unit.slice);
-        unit.send = at::empty({unit.slice}, unit.flat_param.options());
       }
       if (s.sharded_gradients()) unit.shard_grad = at::zeros({unit.slice}, unit.flat_param.options());
       shards.push_back(unit.shard);
@@ -388,7 +405,7 @@ ShardedDataParallel::StepResult ShardedDataParallel::Step(double max_grad_norm,
   StepResult result;
   at::NoGradGuard no_grad;
   double squares = 0;
-  for (const State::Unit& unit : s.units) squares += unit.shard_grad.to(at::kDouble).pow(2).sum().item<double>();
+  for (const State::Unit& unit : s.units) squares += SquaredNorm(unit.shard_grad);
   result.gradients_l2norm = std::sqrt(s.SumOverRanks(squares));
   if (max_grad_norm > 0) {
     // As torch::nn::utils::clip_grad_norm_ does.
@@ -402,10 +419,10 @@ ShardedDataParallel::StepResult ShardedDataParallel::Step(double max_grad_norm,
   std::vector<std::shared_ptr<Work>> works;
   double weights = 0;
   for (State::Unit& unit : s.units) {
-    weights += unit.shard.to(at::kDouble).pow(2).sum().item<double>();
+    weights += SquaredNorm(unit.shard);
     if (s.fully_sharded()) continue;  // gathered at the next step
-    unit.send.copy_(unit.shard);
-    works.push_back(s.communicator->AllGatherAsync(unit.flat_param, unit.send, s.options.data_parallel.collective));
+    // In place: the shard is this rank's slice of the flat buffer.
+    works.push_back(s.communicator->AllGatherAsync(unit.flat_param, unit.shard, s.options.data_parallel.collective));
   }
   if (s.fully_sharded()) s.Release();  // already, unless a unit had no gradient to wait for
   result.weights_l2norm = std::sqrt(s.SumOverRanks(weights));
@@ -427,9 +444,8 @@ int64_t ShardedDataParallel::num_elements() const {
 PartitionedBytes ShardedDataParallel::bytes() const {
   PartitionedBytes b;
   for (const State::Unit& unit : state_->units) {
-    b.parameters += state_->fully_sharded()
-                        ? Bytes(unit.shard) + static_cast<int64_t>(unit.flat_param.storage().nbytes())
-                        : Bytes(unit.flat_param);
+    b.parameters += state_->fully_sharded() ? Bytes(unit.shard) + (unit.params_released ? 0 : Bytes(unit.flat_param))
+                                            : Bytes(unit.flat_param);
     b.gradients += Bytes(unit.flat_grad) + (state_->sharded_gradients() ? Bytes(unit.shard_grad) : 0);
   }
   for (const auto& [key, param_state] : state_->optimizer->state()) {

@@ -208,6 +208,17 @@ TEST_F(CollectivesTest, SharedCollectiveBuffersReduceScatterAndAllGather) {
           EXPECT_TRUE(buffer.narrow(0, r * slice, slice).equal(pattern.narrow(0, r * slice, slice) * (r + 1 + round)))
               << "rank " << r << "'s slice";
         }
+        // In place, into the shared buffer and into a plain tensor (the staging path).
+        for (at::Tensor out : {buffer, at::empty({n}, at::TensorOptions().dtype(type))}) {
+          out.fill_(-1);
+          at::Tensor own = out.narrow(0, rank_ * slice, slice);
+          own.copy_(mine * (rank_ + 2));
+          comm_->AllGather(out, own);
+          for (int r = 0; r < size_; ++r) {
+            EXPECT_TRUE(out.narrow(0, r * slice, slice).equal(pattern.narrow(0, r * slice, slice) * (r + 2)))
+                << "in place, rank " << r << "'s slice";
+          }
+        }
       }
     }
   }
@@ -239,6 +250,17 @@ TEST_F(CollectivesTest, CollectiveBuffersFallBackToPlainTensors) {
   floats.fill_(rank_ + 1);
   plain->AllReduce(floats, ReduceOp::kSum);
   EXPECT_TRUE(floats.eq(size_ * (size_ + 1) / 2).all().item<bool>());
+  // Its all-gather (in place too) and reduce-scatter go through MPI.
+  at::Tensor gathered = at::full({3 * size_}, -1.0f);
+  plain->AllGather(gathered, at::full({3}, static_cast<float>(rank_)));
+  for (int r = 0; r < size_; ++r) EXPECT_TRUE(gathered.narrow(0, 3 * r, 3).eq(r).all().item<bool>()) << r;
+  gathered.fill_(-1);
+  gathered.narrow(0, 3 * rank_, 3).fill_(rank_ + 5);
+  plain->AllGather(gathered, gathered.narrow(0, 3 * rank_, 3));
+  for (int r = 0; r < size_; ++r) EXPECT_TRUE(gathered.narrow(0, 3 * r, 3).eq(r + 5).all().item<bool>()) << r;
+  at::Tensor mine = at::empty({3});
+  plain->ReduceScatter(mine, at::arange(3 * size_, at::kFloat), ReduceOp::kSum);
+  EXPECT_TRUE(mine.equal(at::arange(3 * rank_, 3 * rank_ + 3, at::kFloat) * size_));
 }
 
 }  // namespace

@@ -306,20 +306,35 @@ class MpiCommunicator final : public Communicator {
                          const at::Tensor in = input.contiguous();
                          BarrierNow(deadline);  // every rank is done with its output's old contents
                          for (void* map : segment->maps) {
-                           std::memcpy(static_cast<char*>(map) + rank_ * bytes, in.data_ptr(), bytes);
+                           char* slot = static_cast<char*>(map) + rank_ * bytes;
+                           if (slot != in.data_ptr()) std::memcpy(slot, in.data_ptr(), bytes);  // else in place
                          }
                          std::atomic_thread_fence(std::memory_order_seq_cst);
                          BarrierNow(deadline);
                        });
       }
     }
-    const MPI_Datatype type = MpiType(input.scalar_type());
-    const int count = CheckedCount(input.numel(), "all_gather");
-    return Enqueue(Describe("all_gather", input), options, [this, output, input, type, count](Clock::time_point d) {
-      MPI_Request request;
-      LOCKSTEP_MPI_CHECK(MPI_Iallgather(input.data_ptr(), count, type, output.data_ptr(), count, type, comm_, &request));
-      Drive(&request, 1, d);
+    CheckedCount(input.numel(), "all_gather");
+    if (UsesStaging(input, output)) {
+      return Enqueue(Describe("all_gather", input), options, [this, output, input](Clock::time_point deadline) {
+        if (!StagingAllGather(output, input, deadline)) MpiAllGather(output, input, deadline);
+      });
+    }
+    return Enqueue(Describe("all_gather", input), options, [this, output, input](Clock::time_point deadline) {
+      MpiAllGather(output, input, deadline);
     });
+  }
+
+  // Worker thread.
+  void MpiAllGather(const at::Tensor& output, const at::Tensor& input, Clock::time_point deadline) {
+    const MPI_Datatype type = MpiType(input.scalar_type());
+    const int count = static_cast<int>(input.numel());
+    const bool in_place =
+        input.data_ptr() == static_cast<char*>(output.data_ptr()) + rank_ * count * input.element_size();
+    MPI_Request request;
+    LOCKSTEP_MPI_CHECK(MPI_Iallgather(in_place ? MPI_IN_PLACE : input.data_ptr(), count, type, output.data_ptr(), count,
+                                      type, comm_, &request));
+    Drive(&request, 1, deadline);
   }
 
   std::shared_ptr<Work> ReduceScatterAsync(at::Tensor output, at::Tensor input, ReduceOp op,
@@ -352,8 +367,10 @@ class MpiCommunicator final : public Communicator {
     }
     const MPI_Datatype type = MpiType(input.scalar_type());
     const int count = CheckedCount(output.numel(), "reduce_scatter");
+    const bool staged = op != ReduceOp::kMax && output.is_contiguous() && UsesStaging(input, output);
     return Enqueue(Describe("reduce_scatter", input), options,
-                   [this, output, input, op, type, count](Clock::time_point deadline) {
+                   [this, output, input, op, type, count, staged](Clock::time_point deadline) {
+                     if (staged && StagingReduceScatter(output, input, op == ReduceOp::kAverage, deadline)) return;
                      const bool wide = ReducedInFloat(input.scalar_type());
                      at::Tensor in = wide ? input.to(at::kFloat) : input;
                      at::Tensor out = wide ? at::empty_like(output, at::kFloat) : output;
@@ -658,6 +675,71 @@ class MpiCommunicator final : public Communicator {
     BarrierNow(deadline);
   }
 
+  // Collectives between plain tensors on one host go through a staging buffer in
+  // shared memory (each rank's input copied in, the results read from every
+  // rank's): one memory copy more than a shared collective buffer, far less than
+  // MPI's shared-memory transport for large messages. The staging buffer grows to
+  // the largest such collective (a sharded unit) and stays.
+  bool UsesStaging(const at::Tensor& input, const at::Tensor& output) const {
+    return shared_ok_ && input.scalar_type() == output.scalar_type() && SharedDtype(input.scalar_type()) &&
+           input.device().is_cpu() && output.device().is_cpu() && output.is_contiguous() && input.numel() > 0;
+  }
+
+  // Worker thread. Every rank calls it for the same collective with the same
+  // size, so every rank grows the staging buffer at the same point. False (on
+  // every rank alike) when shared memory could not be mapped.
+  bool EnsureStaging(size_t bytes, Clock::time_point deadline) {
+    if (staging_ != nullptr && staging_->bytes >= bytes) return true;
+    if (staging_failed_) return false;
+    auto segment = std::make_shared<SharedSegment>();
+    segment->bytes = bytes;
+    MapSharedSegment(*segment, next_segment_id_++, deadline);
+    if (segment->maps.empty()) {
+      staging_failed_ = true;
+      return false;
+    }
+    staging_ = std::move(segment);
+    return true;
+  }
+
+  // Worker thread.
+  bool StagingAllGather(const at::Tensor& output, const at::Tensor& input, Clock::time_point deadline) {
+    const size_t bytes = input.numel() * input.element_size();
+    if (!EnsureStaging(bytes, deadline)) return false;
+    const at::Tensor in = input.contiguous();
+    // The previous collective ended with a barrier: no rank still reads this one's staging.
+    std::memcpy(staging_->maps[rank_], in.data_ptr(), bytes);
+    std::atomic_thread_fence(std::memory_order_seq_cst);
+    BarrierNow(deadline);
+    char* out = static_cast<char*>(output.data_ptr());
+    for (int r = 0; r < world_size_; ++r) {
+      if (r != rank_ || out + r * bytes != in.data_ptr()) std::memcpy(out + r * bytes, staging_->maps[r], bytes);
+    }
+    std::atomic_thread_fence(std::memory_order_seq_cst);
+    BarrierNow(deadline);  // read by all before any rank writes its staging again
+    return true;
+  }
+
+  // Worker thread.
+  bool StagingReduceScatter(const at::Tensor& output, const at::Tensor& input, bool average,
+                            Clock::time_point deadline) {
+    const size_t bytes = input.numel() * input.element_size();
+    if (!EnsureStaging(bytes, deadline)) return false;
+    const at::Tensor in = input.contiguous();
+    std::memcpy(staging_->maps[rank_], in.data_ptr(), bytes);
+    std::atomic_thread_fence(std::memory_order_seq_cst);
+    BarrierNow(deadline);
+    const int64_t n = output.numel();
+    if (input.scalar_type() == at::kFloat) {
+      ReduceSliceInto<float>(staging_->maps, rank_ * n, (rank_ + 1) * n, average, output.data_ptr<float>());
+    } else {
+      ReduceSliceInto<double>(staging_->maps, rank_ * n, (rank_ + 1) * n, average, output.data_ptr<double>());
+    }
+    std::atomic_thread_fence(std::memory_order_seq_cst);
+    BarrierNow(deadline);
+    return true;
+  }
+
   // Fixed after construction.
   const MpiOptions options_;
   MPI_Comm comm_ = MPI_COMM_NULL;  // used by the worker thread only, after construction
@@ -668,6 +750,8 @@ class MpiCommunicator final : public Communicator {
   const std::shared_ptr<SharedRegistry> registry_ = std::make_shared<SharedRegistry>();
   std::atomic<uint64_t> next_segment_id_{0};
   bool warned_shared_ = false;  // worker only
+  std::shared_ptr<SharedSegment> staging_;  // worker only
+  bool staging_failed_ = false;             // worker only
 
   absl::Mutex mu_;
   std::deque<Task> queue_ ABSL_GUARDED_BY(mu_);
