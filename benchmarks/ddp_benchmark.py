@@ -34,6 +34,19 @@ import sys
 import time
 
 
+
+def pss_now_mib():
+    """This process's proportional set size in MiB (shared pages split among their
+    users), as scaleout_benchmark reports it; 0 when /proc/self/smaps_rollup is absent."""
+    try:
+        with open("/proc/self/smaps_rollup") as f:
+            for line in f:
+                if line.startswith("Pss:"):
+                    return float(line.split()[1]) / 1024.0
+    except OSError:
+        pass
+    return 0.0
+
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--ranks", type=int, default=2)
@@ -149,6 +162,7 @@ def worker(rank, args, port, queue):
         if nosync:
             phase(False, per_round, nosync_times)
     rss_mib = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024.0
+    pss_mib = pss_now_mib()
     # What this rank holds between steps (before the breakdown loop, which adds nothing
     # to it but would blur the point in time).
     nbytes = lambda t: t.numel() * t.element_size()
@@ -178,7 +192,7 @@ def worker(rank, args, port, queue):
         return statistics.median(v) if v else 0.0
 
     mine = torch.tensor([median(sync_times), median(nosync_times), rss_mib, median(forward), median(backward),
-                         median(update)] + held, dtype=torch.float64)
+                         median(update)] + held + [pss_mib], dtype=torch.float64)
     gathered = [torch.zeros_like(mine) for _ in range(args.ranks)]
     dist.all_gather(gathered, mine)
     if rank == 0:
@@ -194,6 +208,7 @@ def worker(rank, args, port, queue):
             "step_ms": [t * 1e3 for t in sync_times],
             "step_ms_median_per_rank": col(0), "nosync_step_ms_median_per_rank": col(1),
             "max_rss_mib_per_rank": col(2, 1.0),
+            "pss_mib_per_rank": col(9, 1.0),
             "forward_ms_median_per_rank": col(3), "backward_ms_median_per_rank": col(4),
             "optimizer_ms_median_per_rank": col(5),
             # Rank 0's bytes after the timed steps, then every rank's.

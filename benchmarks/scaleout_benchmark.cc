@@ -99,6 +99,26 @@ double MaxRssMib() {
   return static_cast<double>(usage.ru_maxrss) / 1024.0;  // Linux reports KiB
 }
 
+// This process's proportional set size (PSS), MiB: its private pages plus its share
+// of each shared page (a shared-memory segment mapped by 2 ranks counts half in
+// each), which peak RSS counts whole in every rank that touched it. 0 when
+// /proc/self/smaps_rollup cannot be read.
+double PssMib() {
+  std::FILE* f = std::fopen("/proc/self/smaps_rollup", "r");
+  if (f == nullptr) return 0.0;
+  char line[256];
+  double kib = 0.0;
+  while (std::fgets(line, sizeof(line), f) != nullptr) {
+    long long value = 0;
+    if (std::sscanf(line, "Pss: %lld kB", &value) == 1) {
+      kib = static_cast<double>(value);
+      break;
+    }
+  }
+  std::fclose(f);
+  return kib / 1024.0;
+}
+
 // Every rank's values, rank by rank (each rank passes the same count).
 std::vector<double> GatherAll(Communicator& comm, const std::vector<double>& mine) {
   at::Tensor in = at::tensor(mine, at::kDouble);
@@ -325,6 +345,7 @@ int RunTrain(Communicator& comm, const Runtime& runtime) {
     if (nosync) run_phase(*alone, per_round, &nosync_times, false);
   }
   const double rss = MaxRssMib();
+  const double pss = PssMib();  // between steps, after the timed ones
   // Before the breakdown loop, which would add gradients a sharded run does not keep.
   const PartitionedBytes held = HeldBytes(state, sharded);
 
@@ -353,9 +374,9 @@ int RunTrain(Communicator& comm, const Runtime& runtime) {
   const std::vector<double> per_rank =
       GatherAll(comm, {Median(sync_times), Median(nosync_times), Median(wait_times), Median(bucket_wait_times), rss,
                        Median(forward), Median(backward), Median(update), static_cast<double>(held.parameters),
-                       static_cast<double>(held.gradients), static_cast<double>(held.optimizer_state)});
+                       static_cast<double>(held.gradients), static_cast<double>(held.optimizer_state), pss});
   if (comm.rank() != 0) return 0;
-  constexpr int kColumns = 11;
+  constexpr int kColumns = 12;
   auto column = [&](int k) {
     std::vector<double> out;
     for (int r = 0; r < world; ++r) out.push_back(per_rank[kColumns * r + k]);
@@ -386,6 +407,7 @@ int RunTrain(Communicator& comm, const Runtime& runtime) {
       .Array("comm_wait_ms_median_per_rank", ms(column(2)))
       .Array("bucket_wait_ms_median_per_rank", ms(column(3)))
       .Array("max_rss_mib_per_rank", column(4))
+      .Array("pss_mib_per_rank", column(11))
       .Array("forward_ms_median_per_rank", ms(column(5)))
       .Array("backward_ms_median_per_rank", ms(column(6)))
       .Array("optimizer_ms_median_per_rank", ms(column(7)))

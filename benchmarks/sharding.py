@@ -127,6 +127,7 @@ def summarize(runs):
                                         if r.get("comm_wait_ms_median_per_rank")),
         "max_rss_mib": max(max(r["max_rss_mib_per_rank"]) for r in runs),
         "max_rss_mib_per_rank": [max(v) for v in zip(*(r["max_rss_mib_per_rank"] for r in runs))],
+        "pss_mib": scaleout.median(max(r["pss_mib_per_rank"]) for r in runs if r.get("pss_mib_per_rank")),
         "bytes_parameters": max(runs[-1]["bytes_parameters_per_rank"]),
         "bytes_gradients": max(runs[-1]["bytes_gradients_per_rank"]),
         "bytes_optimizer_state": max(runs[-1]["bytes_optimizer_state_per_rank"]),
@@ -222,6 +223,7 @@ def main(argv=None):
                 for k in ("parameters", "gradients", "optimizer_state"):
                     e[f"bytes_{k}_ratio"] = ratio(e[f"bytes_{k}"], rep[f"bytes_{k}"])
                 e["max_rss_ratio"] = ratio(e["max_rss_mib"], rep["max_rss_mib"])
+                e["pss_ratio"] = ratio(e["pss_mib"], rep["pss_mib"]) if e["pss_mib"] and rep["pss_mib"] else None
                 e["step_time_ratio"] = round_ratio(e, rep)
             if zero and s != TORCH_ZERO:
                 e["step_time_ratio_over_torch_zero"] = round_ratio(e, zero)
@@ -277,10 +279,11 @@ def print_report(results):
                          mib(e["bytes_gradients"]), scaleout.fmt(e.get("bytes_gradients_ratio")),
                          mib(e["bytes_optimizer_state"]), scaleout.fmt(e.get("bytes_optimizer_state_ratio")),
                          scaleout.fmt(e["max_rss_mib"], ".0f"), scaleout.fmt(e.get("max_rss_ratio")),
+                         scaleout.fmt(e.get("pss_mib"), ".0f"), scaleout.fmt(e.get("pss_ratio")),
                          scaleout.fmt(e["step_ms"], ".1f"), scaleout.fmt(e.get("step_time_ratio")),
                          scaleout.fmt(e.get("step_time_ratio_over_torch_zero"))])
     scaleout.print_table("Per rank", ["ranks", "strategy", "params MiB", "x", "grads MiB", "x", "opt state MiB", "x",
-                                      "peak RSS MiB", "x", "step ms", "x", "ours/torch ZeRO"], rows)
+                                      "peak RSS MiB", "x", "PSS MiB", "x", "step ms", "x", "ours/torch ZeRO"], rows)
     print(f"\n{results['seconds']:.0f} s in all")
 
 

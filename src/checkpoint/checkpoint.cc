@@ -987,9 +987,16 @@ std::optional<FoundCheckpoint> CheckpointManager::FindLatest(const std::string& 
 
 ShardExtras CheckpointManager::Restore(const FoundCheckpoint& found, TrainState& state) const {
   const checkpoint::Manifest& manifest = *found.manifest;
+  // A partitioning of the user's own (a BaseTrainer that splits its model itself)
+  // has no table of pieces: each rank's shard is that rank's state, so it loads on
+  // the same number of ranks under the same partitioning only, each rank from its own shard.
   if (manifest.partitioning() != kReplicated && manifest.sharded_tensors_size() == 0) {
-    throw CheckpointError(absl::StrCat(found.path, ": partitioning '", manifest.partitioning(),
-                                       "' without a table of its pieces; this version cannot load it"));
+    if (manifest.world_size() != world_size_ || manifest.partitioning() != options_.partitioning) {
+      throw CheckpointError(absl::StrCat(found.path, ": written by ", manifest.world_size(),
+                                         " ranks with partitioning '", manifest.partitioning(),
+                                         "' (per-rank state, no table of its pieces), which cannot load on ",
+                                         world_size_, " ranks with partitioning '", options_.partitioning, "'"));
+    }
   }
   if (manifest.config_fingerprint() != options_.config_fingerprint) {
     throw CheckpointError(absl::StrCat(found.path, ": written with a different config: ",
@@ -1127,6 +1134,11 @@ ShardExtras CheckpointManager::Restore(const FoundCheckpoint& found, TrainState&
 
 void ConsolidateCheckpoint(const std::string& step_directory, const std::string& output_file) {
   const FoundCheckpoint found = CheckpointManager::Validate(step_directory);
+  if (found.manifest->partitioning() != kReplicated && found.manifest->sharded_tensors_size() == 0) {
+    throw CheckpointError(absl::StrCat(step_directory, ": partitioning '", found.manifest->partitioning(),
+                                       "' keeps per-rank state without a table of its pieces; it cannot be "
+                                       "consolidated into one model"));
+  }
   CheckpointReader reader(found, 0);
   c10::impl::GenericDict out{c10::StringType::get(), c10::AnyType::get()};
   try {

@@ -289,7 +289,7 @@ TEST(CheckpointTest, ADifferentConfigIsRefusedNamingTheDifference) {
                   HasSubstr("checkpoint has 'model { name: \"mlp\" }', this run has 'model { name: \"cnn\" }'")));
 }
 
-TEST(CheckpointTest, AnyWorldSizeLoadsAReplicatedCheckpointAndAnUnknownLayoutIsRefused) {
+TEST(CheckpointTest, AnyWorldSizeLoadsAReplicatedCheckpointAndAPerRankLayoutOnlyItsOwn) {
   TempDir dir;
   SaveSteps(dir.path(), 1);  // world of 1, replicated
   TrainRun s = MakeSetup(OptimizerOptions::Kind::kSgd, 5);
@@ -300,12 +300,26 @@ TEST(CheckpointTest, AnyWorldSizeLoadsAReplicatedCheckpointAndAnUnknownLayoutIsR
   EXPECT_EQ(s.state.step, 1);
   TempDir other;
   CheckpointOptions sharded_options = Options(other.path());
-  sharded_options.partitioning = "someone_elses_layout";  // and no table of pieces
+  // A BaseTrainer's own layout (no table of pieces, as examples/sharded_embedding
+  // writes): each rank's shard is its own state, loadable on the same world size
+  // under the same partitioning, refused elsewhere and by consolidation.
+  sharded_options.partitioning = "someone_elses_layout";
   SaveSteps(other.path(), 1, sharded_options);
+  const FoundCheckpoint per_rank = CheckpointManager::Validate(other.file(CheckpointDirName(1)));
+  s.state.step = 0;
+  CheckpointManager same(sharded_options, 0, 1, nullptr);
+  EXPECT_NO_THROW(same.Restore(per_rank, s.state));
+  EXPECT_EQ(s.state.step, 1);
   CheckpointManager sharded(sharded_options, 0, 2, nullptr);
-  EXPECT_THAT([&] { sharded.Restore(CheckpointManager::Validate(other.file(CheckpointDirName(1))), s.state); },
+  EXPECT_THAT([&] { sharded.Restore(per_rank, s.state); },
               ::testing::ThrowsMessage<CheckpointError>(
-                  HasSubstr("partitioning 'someone_elses_layout' without a table of its pieces")));
+                  HasSubstr("written by 1 ranks with partitioning 'someone_elses_layout' (per-rank state, no table "
+                            "of its pieces), which cannot load on 2 ranks with partitioning 'someone_elses_layout'")));
+  CheckpointManager replicated(Options(other.path()), 0, 1, nullptr);
+  EXPECT_THAT([&] { replicated.Restore(per_rank, s.state); },
+              ::testing::ThrowsMessage<CheckpointError>(HasSubstr("with partitioning 'data_parallel_replicated'")));
+  EXPECT_THAT([&] { ConsolidateCheckpoint(per_rank.path, other.file("whole.pt")); },
+              ::testing::ThrowsMessage<CheckpointError>(HasSubstr("cannot be consolidated")));
   EXPECT_THAT([&] { sharded.Save(s.state, ShardExtras{}, {}); },
               ::testing::ThrowsMessage<InvalidArgumentError>(HasSubstr("need the coordination service")));
 }
