@@ -26,6 +26,7 @@ optimizer's state tensors ("step" counters left out, as libtorch keeps them as
 integers); DDP's own bucket buffers are in none of the three.
 """
 import argparse
+import ctypes
 import json
 import os
 import socket
@@ -38,6 +39,10 @@ import time
 def pss_now_mib():
     """This process's proportional set size in MiB (shared pages split among their
     users), as scaleout_benchmark reports it; 0 when /proc/self/smaps_rollup is absent."""
+    try:
+        ctypes.CDLL("libc.so.6").malloc_trim(0)  # as scaleout_benchmark does before reading it
+    except OSError:
+        pass
     try:
         with open("/proc/self/smaps_rollup") as f:
             for line in f:

@@ -32,6 +32,7 @@
 // and on an ordinary tensor ("lockstep_plain_s").
 // Every rank runs the same fixed iteration counts (collectives must match).
 #include <ATen/ATen.h>
+#include <malloc.h>
 #include <mpi.h>
 #include <sys/resource.h>
 #include <torch/optim/adam.h>
@@ -345,7 +346,12 @@ int RunTrain(Communicator& comm, const Runtime& runtime) {
     if (nosync) run_phase(*alone, per_round, &nosync_times, false);
   }
   const double rss = MaxRssMib();
-  const double pss = PssMib();  // between steps, after the timed ones
+  // Between steps, after the timed ones: what the rank holds at rest. The heap
+  // first gives back what it keeps of freed blocks (ConfigureTorchForTraining
+  // keeps them for the next step's activations), so that transient buffers of the
+  // step do not count as held.
+  malloc_trim(0);
+  const double pss = PssMib();
   // Before the breakdown loop, which would add gradients a sharded run does not keep.
   const PartitionedBytes held = HeldBytes(state, sharded);
 
