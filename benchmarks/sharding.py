@@ -11,7 +11,7 @@ for each strategy, it runs build/benchmarks/scaleout_benchmark --mode=train
 --partitioning=STRATEGY under launch/mpirun.sh (same per-rank batch at every
 rank count) and reports, per rank: the bytes of parameters, gradients and
 optimizer state it holds between steps, each as a ratio to replicated at the same
-rank count; peak RSS; the median step time and its ratio to replicated. At 2 ranks
+rank count; peak RSS and PSS at rest (after malloc_trim); the median step time and its ratio to replicated. At 2 ranks
 it also runs the same model under PyTorch DDP with ZeroRedundancyOptimizer(Adam)
 over gloo (benchmarks/ddp_benchmark.py --zero) and gives the ratio of each of our
 step times to it. All of it in the same run, in rounds that visit every

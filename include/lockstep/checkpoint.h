@@ -4,7 +4,8 @@
 //                             shard_00001.pt   ...
 //                             manifest.pb      step, world size, partitioning,
 //                                              config fingerprint, each shard's
-//                                              size and CRC32C, metrics
+//                                              size and CRC32C, metrics, the
+//                                              pieces of split tensors
 //   <directory>/latest                         "step_00001200"
 //
 // A shard is a dictionary of named values in PyTorch's own format (torch.save's
@@ -15,6 +16,15 @@
 // "data/batch_in_epoch", "step", "trainer_state" (the unfinished summary period
 // and the actions' state), and a trainer subclass's "custom/tensor/<name>" and
 // "custom/bytes/<name>" (CustomState). Python reads it with torch.load(path).
+//
+// A sharded train state (TrainState::layout, from ShardedDataParallel) saves in
+// each shard only that rank's slices of the split tensors; the manifest lists each
+// split tensor's key, global shape and the (rank, begin, end) ranges of its
+// row-major flattening that each shard holds. Restore reads the ranges the current
+// layout needs from the shards that hold them, so a checkpoint loads on any world
+// size under any strategy; ConsolidateCheckpoint writes one file of whole tensors.
+// A layout of a trainer's own (a partitioning name other than the replicated one
+// and no table of pieces) loads on the same world size and partitioning only.
 //
 // Commit is atomic: every rank writes its shard into <directory>/.tmp_step_N and
 // fsyncs it, then reports its size and CRC32C through the coordination service and

@@ -1,6 +1,7 @@
-// Sharded data parallelism (ZeRO stages 1 and 2): each rank trains on its shard
-// of the global batch, as in DataParallel, but keeps the optimizer state (and,
-// sharding gradients, the summed gradients) for its own slice of the parameters.
+// Sharded data parallelism (ZeRO stages 1, 2 and 3): each rank trains on its
+// shard of the global batch, as in DataParallel, but keeps the optimizer state
+// (and, sharding gradients, the summed gradients; fully sharded, the parameters
+// between steps) for its own slice of the parameters.
 //
 // Layout. The parameters of each optimizer parameter group are grouped, in
 // reverse registration order (roughly the order backward produces gradients),
@@ -12,7 +13,9 @@
 // slices, so its state exists for 1/N of the parameters on each rank.
 //
 // A step: backward accumulates into a flat gradient buffer per unit (the
-// parameters' .grad are views of it); once armed for the last microbatch, a
+// parameters' .grad are views of it; kept from step to step for sharded optimizer
+// state, allocated for the step and freed after it when gradients are sharded);
+// once armed for the last microbatch, a
 // unit's reduction starts as soon as all its gradients are final:
 //   kShardedOptimizerState: an all-reduce of the unit; the rank keeps its slice;
 //   kShardedGradients:      a reduce-scatter: the rank receives only its slice.
