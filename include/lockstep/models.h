@@ -1,5 +1,5 @@
-// Models that ship with Lockstep: the small CNN of the Fashion-MNIST job and an
-// MLP. Users bring their own torch::nn::Module with an ApplyFn instead.
+// Models that ship with Lockstep: the small CNN of the Fashion-MNIST job, an
+// MLP, and a GPT-style language model (lockstep/gpt.h). Users bring their own torch::nn::Module with an ApplyFn instead.
 #ifndef LOCKSTEP_MODELS_H_
 #define LOCKSTEP_MODELS_H_
 
@@ -15,8 +15,18 @@
 
 namespace lockstep {
 
+// The GPT-style language model's sizes (lockstep/gpt.h).
+struct GptOptions {
+  int64_t vocab_size = 256;     // bytes as tokens
+  int64_t context_length = 64;  // the longest sequence: rows of the position table
+  int64_t num_layers = 4;
+  int64_t num_heads = 4;
+  int64_t width = 128;  // the residual stream; num_heads must divide it
+  double dropout = 0.0;
+};
+
 struct ModelOptions {
-  std::string name = "cnn";  // "cnn" or "mlp"
+  std::string name = "cnn";  // "cnn", "mlp" or "gpt"
   int64_t in_channels = 1;
   int64_t height = 28;
   int64_t width = 28;
@@ -26,6 +36,7 @@ struct ModelOptions {
   std::vector<int64_t> hidden_layers;
   int64_t num_classes = 10;
   double dropout = 0.0;
+  GptOptions gpt;  // "gpt" only (its dropout is gpt.dropout)
 };
 
 // conv3x3(32) -> ReLU -> maxpool2 -> conv3x3(64) -> ReLU -> maxpool2 ->

@@ -10,6 +10,7 @@
 #include <vector>
 
 #include "lockstep/errors.h"
+#include "lockstep/gpt.h"
 
 namespace lockstep {
 namespace {
@@ -73,10 +74,12 @@ at::Tensor MlpImpl::forward(const at::Tensor& x) { return layers_->forward(x); }
 BuiltModel BuildModel(const ModelOptions& options) {
   if (options.name == "cnn") return {std::make_shared<CnnImpl>(options), ForwardOf<CnnImpl>()};
   if (options.name == "mlp") return {std::make_shared<MlpImpl>(options), ForwardOf<MlpImpl>()};
-  throw InvalidArgumentError("unknown model '" + options.name + "' (known: cnn, mlp)");
+  if (options.name == "gpt") return {std::make_shared<GptImpl>(options.gpt), ForwardOf<GptImpl>()};
+  throw InvalidArgumentError("unknown model '" + options.name + "' (known: cnn, mlp, gpt)");
 }
 
 double CountModelParameters(const ModelOptions& o) {
+  if (o.name == "gpt") return CountGptParameters(o.gpt);
   auto linear = [](double in, double out) { return in * out + out; };
   double count = 0;
   double features = 0;
@@ -88,7 +91,7 @@ double CountModelParameters(const ModelOptions& o) {
     features = static_cast<double>(o.in_channels) * o.height * o.width;
     if (!o.hidden_layers.empty()) hidden = o.hidden_layers;
   } else {
-    throw InvalidArgumentError("unknown model '" + o.name + "' (known: cnn, mlp)");
+    throw InvalidArgumentError("unknown model '" + o.name + "' (known: cnn, mlp, gpt)");
   }
   for (const int64_t width : hidden) {
     count += linear(features, static_cast<double>(width));

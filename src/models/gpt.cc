@@ -1,0 +1,136 @@
+#include "lockstep/gpt.h"
+
+#include <ATen/ATen.h>
+#include <torch/nn/init.h>
+
+#include <cmath>
+#include <limits>
+#include <string>
+#include <vector>
+
+#include "absl/strings/str_cat.h"
+#include "lockstep/errors.h"
+
+namespace lockstep {
+namespace {
+
+torch::nn::LayerNorm MakeLayerNorm(int64_t width) {
+  return torch::nn::LayerNorm(torch::nn::LayerNormOptions({width}).eps(1e-5));
+}
+
+void InitLinear(torch::nn::Linear& linear, double std) {
+  at::NoGradGuard no_grad;
+  torch::nn::init::normal_(linear->weight, 0.0, std);
+  if (linear->bias.defined()) linear->bias.zero_();
+}
+
+}  // namespace
+
+void CheckGptOptions(const GptOptions& o) {
+  auto require = [](bool ok, const char* field, const std::string& what) {
+    if (!ok) throw InvalidArgumentError(absl::StrCat("model 'gpt': ", field, " ", what));
+  };
+  require(o.vocab_size > 0, "vocab_size", absl::StrCat("must be > 0, got ", o.vocab_size));
+  require(o.context_length > 0, "context_length", absl::StrCat("must be > 0, got ", o.context_length));
+  require(o.num_layers > 0, "num_layers", absl::StrCat("must be > 0, got ", o.num_layers));
+  require(o.num_heads > 0, "num_heads", absl::StrCat("must be > 0, got ", o.num_heads));
+  require(o.width > 0, "width", absl::StrCat("must be > 0, got ", o.width));
+  require(o.width % o.num_heads == 0, "num_heads",
+          absl::StrCat("(", o.num_heads, ") must divide width (", o.width, ")"));
+  require(o.dropout >= 0 && o.dropout < 1, "dropout", absl::StrCat("must be in [0, 1), got ", o.dropout));
+}
+
+double CountGptParameters(const GptOptions& o) {
+  const double w = static_cast<double>(o.width);
+  const double per_block = 2 * (2 * w)           // two LayerNorms
+                           + (w * 3 * w + 3 * w)  // qkv
+                           + (w * w + w)          // attention projection
+                           + (w * 4 * w + 4 * w)  // mlp up
+                           + (4 * w * w + w);     // mlp down
+  return static_cast<double>(o.vocab_size) * w + static_cast<double>(o.context_length) * w +
+         static_cast<double>(o.num_layers) * per_block + 2 * w;
+}
+
+double GptTrainingFlopsPerToken(const GptOptions& o, int64_t sequence_length) {
+  const double n = CountGptParameters(o) - static_cast<double>(o.context_length) * static_cast<double>(o.width);
+  return 6 * n + 12.0 * static_cast<double>(o.num_layers) * static_cast<double>(o.width) *
+                     static_cast<double>(sequence_length);
+}
+
+GptBlockImpl::GptBlockImpl(const GptOptions& o) : num_heads_(o.num_heads), dropout_(o.dropout) {
+  ln1_ = register_module("ln1", MakeLayerNorm(o.width));
+  qkv_ = register_module("qkv", torch::nn::Linear(o.width, 3 * o.width));
+  attn_proj_ = register_module("attn_proj", torch::nn::Linear(o.width, o.width));
+  ln2_ = register_module("ln2", MakeLayerNorm(o.width));
+  mlp_up_ = register_module("mlp_up", torch::nn::Linear(o.width, 4 * o.width));
+  mlp_down_ = register_module("mlp_down", torch::nn::Linear(4 * o.width, o.width));
+  const double residual_std = 0.02 / std::sqrt(2.0 * static_cast<double>(o.num_layers));
+  InitLinear(qkv_, 0.02);
+  InitLinear(attn_proj_, residual_std);
+  InitLinear(mlp_up_, 0.02);
+  InitLinear(mlp_down_, residual_std);
+}
+
+at::Tensor GptBlockImpl::forward(const at::Tensor& x) {
+  const int64_t batch = x.size(0), length = x.size(1), width = x.size(2);
+  const int64_t head = width / num_heads_;
+  const bool train = is_training() && dropout_ > 0;
+  // Attention: [B, T, 3W] -> q, k, v as [B, H, T, head].
+  const std::vector<at::Tensor> qkv = qkv_->forward(ln1_->forward(x)).split(width, 2);
+  auto heads = [&](const at::Tensor& t) { return t.view({batch, length, num_heads_, head}).transpose(1, 2); };
+  const at::Tensor q = heads(qkv[0]), k = heads(qkv[1]), v = heads(qkv[2]);
+  at::Tensor scores = at::matmul(q, k.transpose(-2, -1)) * (1.0 / std::sqrt(static_cast<double>(head)));
+  const at::Tensor future = at::ones({length, length}, x.options().dtype(at::kBool)).triu(1);
+  scores = scores.masked_fill(future, -std::numeric_limits<double>::infinity());
+  at::Tensor weights = at::softmax(scores, -1);
+  weights = at::dropout(weights, dropout_, train);
+  const at::Tensor attended = at::matmul(weights, v).transpose(1, 2).contiguous().view({batch, length, width});
+  at::Tensor h = x + at::dropout(attn_proj_->forward(attended), dropout_, train);
+  const at::Tensor up = at::gelu(mlp_up_->forward(ln2_->forward(h)));
+  return h + at::dropout(mlp_down_->forward(up), dropout_, train);
+}
+
+GptImpl::GptImpl(const GptOptions& o) : options_(o) {
+  CheckGptOptions(o);
+  wte_ = register_module("wte", torch::nn::Embedding(o.vocab_size, o.width));
+  wpe_ = register_module("wpe", torch::nn::Embedding(o.context_length, o.width));
+  blocks_ = register_module("blocks", torch::nn::ModuleList());
+  for (int64_t i = 0; i < o.num_layers; ++i) blocks_->push_back(GptBlock(o));
+  ln_f_ = register_module("ln_f", MakeLayerNorm(o.width));
+  at::NoGradGuard no_grad;
+  torch::nn::init::normal_(wte_->weight, 0.0, 0.02);
+  torch::nn::init::normal_(wpe_->weight, 0.0, 0.02);
+}
+
+at::Tensor GptImpl::forward(const at::Tensor& tokens) {
+  if (tokens.dim() != 2 || tokens.scalar_type() != at::kLong) {
+    throw InvalidArgumentError(absl::StrCat("gpt: tokens must be int64 [batch, length], got ",
+                                            c10::toString(tokens.scalar_type()), " ", c10::str(tokens.sizes())));
+  }
+  const int64_t length = tokens.size(1);
+  if (length > options_.context_length) {
+    throw InvalidArgumentError(absl::StrCat("gpt: a sequence of ", length, " tokens is longer than the model's context_length (",
+                                            options_.context_length, ")"));
+  }
+  const bool train = is_training() && options_.dropout > 0;
+  at::Tensor x = wte_->forward(tokens) + wpe_->forward(at::arange(length, tokens.options()));
+  x = at::dropout(x, options_.dropout, train);
+  for (const auto& block : *blocks_) x = block->as<GptBlockImpl>()->forward(x);
+  return at::linear(ln_f_->forward(x), wte_->weight);
+}
+
+LossFn LanguageModelLoss() {
+  return [](const at::Tensor& outputs, const at::Tensor& targets) {
+    if (outputs.dim() != 3 || targets.dim() != 2 || outputs.size(0) != targets.size(0) ||
+        outputs.size(1) != targets.size(1)) {
+      throw InvalidArgumentError(absl::StrCat("LanguageModelLoss: logits ", c10::str(outputs.sizes()),
+                                              " do not match targets ", c10::str(targets.sizes())));
+    }
+    const int64_t batch = outputs.size(0), length = outputs.size(1);
+    const at::Tensor per_token = at::cross_entropy_loss(outputs.reshape({batch * length, outputs.size(2)}),
+                                                        targets.reshape({batch * length}), {}, at::Reduction::None);
+    return per_token.view({batch, length}).mean(1);
+  };
+}
+
+}  // namespace lockstep
