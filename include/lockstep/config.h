@@ -15,6 +15,7 @@
 #include "absl/status/statusor.h"
 #include "lockstep/checkpoint.h"
 #include "lockstep/data.h"
+#include "lockstep/token_data.h"
 #include "lockstep/job.h"
 #include "lockstep/models.h"
 #include "lockstep/progress.h"
@@ -92,18 +93,32 @@ void CheckModelFitsInMemory(const config::TrainerConfig& config, const ModelOpti
 // directory), through a temporary file and a rename. Throws Error when it cannot.
 void WriteResolvedConfig(const config::TrainerConfig& config, const Runtime& runtime);
 
-// The train and eval sets of config.data: Fashion-MNIST from data.dir, or the
-// synthetic sets. Throws DataError naming a missing or malformed file.
+// The train and eval sets of config.data: Fashion-MNIST from data.dir, the
+// synthetic sets, or (TOKENS) the token files token_dir/train.bin and eval.bin,
+// memory-mapped. Throws DataError naming a missing or malformed file (for token
+// files, with the command that prepares them).
 struct Datasets {
-  std::shared_ptr<const TensorDataset> train;
+  std::shared_ptr<const TensorDataset> train;  // images
   std::shared_ptr<const TensorDataset> test;
-  std::string description;  // "Fashion-MNIST from <dir>" or "synthetic"
+  std::shared_ptr<const TokenFile> train_tokens;  // TOKENS
+  std::shared_ptr<const TokenFile> eval_tokens;
+  std::string description;  // "Fashion-MNIST from <dir>", "synthetic", "tokens from <dir>"
+  bool tokens() const { return train_tokens != nullptr; }
 };
 Datasets LoadDatasets(const config::TrainerConfig& config);
 // This rank's sharding of the train set (global batch, seed, shuffle), and of the
 // eval set (eval batch, one pass, in order).
 ShardingOptions ToTrainSharding(const config::TrainerConfig& config, const Runtime& runtime);
 ShardingOptions ToEvalSharding(const config::TrainerConfig& config, const Runtime& runtime);
+// TOKENS: tokens per example, data.sequence_length or else model.context_length.
+int64_t SequenceLength(const config::TrainerConfig& config);
+// This rank's train batches: a ShardedBatchIterator over images; over tokens, a
+// TokenWindowIterator behind a PrefetchingIterator of data.prefetch_batches.
+std::unique_ptr<BatchIterator> MakeTrainIterator(const config::TrainerConfig& config, const Datasets& data,
+                                                 const Runtime& runtime);
+// This rank's eval batches, one pass in order.
+std::unique_ptr<BatchIterator> MakeEvalIterator(const config::TrainerConfig& config, const Datasets& data,
+                                                const Runtime& runtime);
 
 }  // namespace lockstep
 

@@ -29,6 +29,7 @@
 
 #include <cstdint>
 
+#include "lockstep/metrics.h"
 #include "lockstep/models.h"
 #include "lockstep/step.h"
 
@@ -74,6 +75,15 @@ class GptImpl : public torch::nn::Module {
   torch::nn::LayerNorm ln_f_{nullptr};
 };
 TORCH_MODULE(Gpt);
+
+// Summary metrics of a byte-level language model, for BaseTrainer::
+// AddDerivedMetrics: bits_per_byte (the loss in nats / ln 2: a token is a byte),
+// and for the train task tokens_per_second (all ranks': examples per second x
+// sequence_length), tokens_per_second_per_rank and, when peak_flops_per_rank > 0,
+// mfu (GptTrainingFlopsPerToken x tokens per second over peak_flops_per_rank x
+// world_size).
+DeriveMetricsFn LanguageModelMetrics(const GptOptions& options, int64_t sequence_length, int world_size,
+                                     double peak_flops_per_rank);
 
 // The per-example loss of a language model: for outputs [B, T, V] (logits) and
 // targets int64 [B, T], each example's mean cross-entropy over its T positions

@@ -41,6 +41,8 @@ struct Summary {
 };
 
 using SummarySink = std::function<void(const Summary&)>;
+// Adds metrics to a task's combined summary metrics (BaseTrainer::AddDerivedMetrics).
+using DeriveMetricsFn = std::function<void(const std::string& task, MetricMap& metrics)>;
 
 // Weighted sums of per-example metrics over some batches (an evaluation),
 // and the total weight. Means() adds num_examples = the weight.

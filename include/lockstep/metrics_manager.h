@@ -47,6 +47,8 @@ class MetricsManager {
     // Rank 0's writer thread; each Flush queues its summary there. Null on the other
     // ranks (nothing is written) or to write nothing.
     std::shared_ptr<AsyncSummaryWriter> writer;
+    // Adds metrics to each combined summary, after the rates and before the writer.
+    DeriveMetricsFn derive;
   };
 
   explicit MetricsManager(Options options);

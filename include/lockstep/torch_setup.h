@@ -23,10 +23,19 @@
 #ifndef LOCKSTEP_TORCH_SETUP_H_
 #define LOCKSTEP_TORCH_SETUP_H_
 
+#include <cstdint>
+
 namespace lockstep {
 
 // Returns the number of intra-op threads in effect.
 int ConfigureTorchForTraining(int num_threads = 0);
+
+// The float32 FLOP/s this process reaches on square matrix products of size n
+// (2 n^3 per product) with its intra-op threads, the best of repeated runs over
+// at least `min_seconds`: the peak that model FLOPs utilisation (MFU) divides by
+// on a CPU. Run it on every rank at once to measure what each gets while the
+// others compute too.
+double MeasureMatmulFlops(int64_t n = 512, double min_seconds = 0.5);
 
 }  // namespace lockstep
 

@@ -80,6 +80,12 @@ class BaseTrainer {
   void CloseWriters();
   // How a metric combines over steps and ranks, for every task (see metrics.h).
   void SetMetricReduction(const std::string& name, MetricReduction reduction);
+  // Adds metrics computed from each task's combined summary (after the rates,
+  // before sinks, writers and actions see it), on every rank: bits per byte and
+  // tokens per second from the loss and examples per second, say. Must be
+  // deterministic in the summary for actions to agree; a value from this rank
+  // alone (its data wait, say) is rank 0's in what is written.
+  void AddDerivedMetrics(DeriveMetricsFn derive) { derivers_.push_back(std::move(derive)); }
   // Runs after every summary; a halt stops Train after the current step on every
   // rank (the decision is rank 0's, shared with every rank).
   void AddAction(std::unique_ptr<Action> action) { actions_.push_back(std::move(action)); }
@@ -147,6 +153,7 @@ class BaseTrainer {
   CollectiveOptions collective_;
   int64_t summary_every_steps_ = 100;
   std::vector<SummarySink> sinks_;
+  std::vector<DeriveMetricsFn> derivers_;
   std::vector<SummarySink> writer_sinks_;
   std::shared_ptr<AsyncSummaryWriter> writer_;  // rank 0, made with the first manager
   std::map<std::string, MetricReduction> reductions_;

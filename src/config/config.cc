@@ -174,7 +174,18 @@ std::string ResumeRelevantConfigText(const config::TrainerConfig& config) {
 absl::Status ValidateConfig(const config::TrainerConfig& c, int world_size) {
   Checker check;
   const auto& m = c.model();
-  check.Require(m.name() == "cnn" || m.name() == "mlp", "model.name", "must be one of cnn, mlp", m.name());
+  check.Require(m.name() == "cnn" || m.name() == "mlp" || m.name() == "gpt", "model.name",
+                "must be one of cnn, mlp, gpt", m.name());
+  if (m.name() == "gpt") {
+    check.Require(m.num_layers() > 0, "model.num_layers", "must be > 0", m.num_layers());
+    check.Require(m.num_heads() > 0, "model.num_heads", "must be > 0", m.num_heads());
+    check.Require(m.width() > 0, "model.width", "must be > 0", m.width());
+    check.Require(m.num_heads() <= 0 || m.width() % m.num_heads() == 0, "model.num_heads",
+                  absl::StrCat("must divide model.width (", m.width(), ")"), m.num_heads());
+    check.Require(m.context_length() > 0, "model.context_length", "must be > 0", m.context_length());
+    check.Require(m.vocab_size() >= 256, "model.vocab_size", "must be >= 256 (bytes are the tokens)",
+                  m.vocab_size());
+  }
   check.Require(m.hidden_units() > 0, "model.hidden_units", "must be > 0", m.hidden_units());
   check.Require(m.num_classes() >= 2, "model.num_classes", "must be >= 2", m.num_classes());
   check.Require(m.dropout() >= 0 && m.dropout() < 1, "model.dropout", "must be in [0, 1)", m.dropout());
@@ -207,6 +218,17 @@ absl::Status ValidateConfig(const config::TrainerConfig& c, int world_size) {
                 d.synthetic_train_examples());
   check.Require(d.synthetic_eval_examples() > 0, "data.synthetic_eval_examples", "must be > 0",
                 d.synthetic_eval_examples());
+  const bool tokens = d.source() == config::DataConfig::TOKENS;
+  check.Require(tokens == (m.name() == "gpt"), "data.source",
+                "TOKENS goes with model.name gpt, and gpt with TOKENS",
+                absl::StrCat(config::DataConfig::Source_Name(d.source()), " with model ", m.name()));
+  check.Require(!tokens || !d.token_dir().empty(), "data.token_dir", "must name the folder of train.bin and eval.bin",
+                "\"\"");
+  check.Require(d.sequence_length() >= 0, "data.sequence_length", "must be >= 0 (0: model.context_length)",
+                d.sequence_length());
+  check.Require(d.sequence_length() <= m.context_length(), "data.sequence_length",
+                absl::StrCat("is longer than model.context_length (", m.context_length(), ")"), d.sequence_length());
+  check.Require(d.prefetch_batches() >= 1, "data.prefetch_batches", "must be >= 1", d.prefetch_batches());
 
   check.Require(c.num_train_steps() > 0, "num_train_steps", "must be > 0", c.num_train_steps());
   check.Require(c.eval_every_steps() >= 0, "eval_every_steps", "must be >= 0", c.eval_every_steps());
@@ -331,6 +353,12 @@ ModelOptions ToModelOptions(const config::ModelConfig& c) {
   m.hidden_units = c.hidden_units();
   m.num_classes = c.num_classes();
   m.dropout = c.dropout();
+  m.gpt.num_layers = c.num_layers();
+  m.gpt.num_heads = c.num_heads();
+  m.gpt.width = c.width();
+  m.gpt.context_length = c.context_length();
+  m.gpt.vocab_size = c.vocab_size();
+  m.gpt.dropout = c.dropout();
   return m;
 }
 

@@ -6,6 +6,7 @@
 
 #include <unistd.h>
 
+#include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
 #include "lockstep/actions.h"
 #include "lockstep/config.h"
@@ -121,9 +122,12 @@ void CheckModelFitsInMemory(const config::TrainerConfig& cfg, const ModelOptions
   const double memory = static_cast<double>(sysconf(_SC_PHYS_PAGES)) * static_cast<double>(sysconf(_SC_PAGESIZE));
   if (memory > 0 && needed > memory) {
     throw InvalidArgumentError(absl::StrFormat(
-        "config: model.hidden_units=%d makes the %s model %.3g parameters, which need %.3g GB for weights, gradients "
+        "config: %s makes the %s model %.3g parameters, which need %.3g GB for weights, gradients "
         "and %s state (%.0f bytes each), more than this machine's %.3g GB of memory",
-        cfg.model().hidden_units(), model.name, parameters, needed / 1e9, adam ? "Adam's" : "SGD's",
+        model.name == "gpt" ? absl::StrFormat("model.width=%d, model.num_layers=%d", cfg.model().width(),
+                                              cfg.model().num_layers())
+                            : absl::StrFormat("model.hidden_units=%d", cfg.model().hidden_units()),
+        model.name, parameters, needed / 1e9, adam ? "Adam's" : "SGD's",
         bytes_per_parameter, memory / 1e9));
   }
 }
@@ -146,7 +150,18 @@ void WriteResolvedConfig(const config::TrainerConfig& cfg, const Runtime& runtim
 Datasets LoadDatasets(const config::TrainerConfig& cfg) {
   const config::DataConfig& d = cfg.data();
   Datasets data;
-  if (d.source() == config::DataConfig::SYNTHETIC) {
+  if (d.source() == config::DataConfig::TOKENS) {
+    const std::filesystem::path dir = d.token_dir();
+    for (const char* name : {"train.bin", "eval.bin"}) {
+      if (!std::filesystem::exists(dir / name)) {
+        throw DataError(absl::StrCat("data: '", (dir / name).string(), "' is missing; prepare it with: ",
+                                     "data/prepare_kjv.py ", dir.string(), "  (needs apt-get install bible-kjv bible-kjv-text)"));
+      }
+    }
+    data.train_tokens = TokenFile::Open((dir / "train.bin").string());
+    data.eval_tokens = TokenFile::Open((dir / "eval.bin").string());
+    data.description = "tokens from " + dir.string();
+  } else if (d.source() == config::DataConfig::SYNTHETIC) {
     SyntheticOptions train;
     train.num_examples = d.synthetic_train_examples();
     train.num_classes = cfg.model().num_classes();
@@ -182,6 +197,42 @@ ShardingOptions ToEvalSharding(const config::TrainerConfig& cfg, const Runtime& 
   o.shuffle = false;
   o.num_epochs = 1;
   return o;
+}
+
+int64_t SequenceLength(const config::TrainerConfig& cfg) {
+  return cfg.data().sequence_length() > 0 ? cfg.data().sequence_length() : cfg.model().context_length();
+}
+
+namespace {
+
+TokenWindowOptions ToTokenWindows(const ShardingOptions& sharding, const config::TrainerConfig& cfg) {
+  TokenWindowOptions o;
+  o.sequence_length = SequenceLength(cfg);
+  o.global_batch_size = sharding.global_batch_size;
+  o.rank = sharding.rank;
+  o.world_size = sharding.world_size;
+  o.seed = sharding.seed;
+  o.num_epochs = sharding.num_epochs;
+  return o;
+}
+
+}  // namespace
+
+std::unique_ptr<BatchIterator> MakeTrainIterator(const config::TrainerConfig& cfg, const Datasets& data,
+                                                 const Runtime& runtime) {
+  if (!data.tokens()) return std::make_unique<ShardedBatchIterator>(data.train, ToTrainSharding(cfg, runtime));
+  TokenWindowOptions o = ToTokenWindows(ToTrainSharding(cfg, runtime), cfg);
+  o.random_windows = true;
+  return std::make_unique<PrefetchingIterator>(std::make_unique<TokenWindowIterator>(data.train_tokens, o),
+                                               cfg.data().prefetch_batches());
+}
+
+std::unique_ptr<BatchIterator> MakeEvalIterator(const config::TrainerConfig& cfg, const Datasets& data,
+                                                const Runtime& runtime) {
+  if (!data.tokens()) return std::make_unique<ShardedBatchIterator>(data.test, ToEvalSharding(cfg, runtime));
+  TokenWindowOptions o = ToTokenWindows(ToEvalSharding(cfg, runtime), cfg);
+  o.random_windows = false;
+  return std::make_unique<TokenWindowIterator>(data.eval_tokens, o);
 }
 
 }  // namespace lockstep

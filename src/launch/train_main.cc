@@ -24,6 +24,7 @@
 #include "absl/flags/usage.h"
 #include "lockstep/checkpoint.h"
 #include "lockstep/config.h"
+#include "lockstep/gpt.h"
 #include "lockstep/job.h"
 #include "lockstep/models.h"
 #include "lockstep/torch_setup.h"
@@ -77,17 +78,21 @@ int Run(const config::TrainerConfig& cfg, const Runtime& runtime, std::unique_pt
   Communicator* communicator = env->communicator();
   if (runtime.is_chief()) {
     std::printf("lockstep_train: %d rank(s) via %s, %s backend, device %s, %d threads per rank; data: %s (%" PRId64
-                " train, %" PRId64 " test examples); config written to %s\n",
+                " train, %" PRId64 " test %s); config written to %s\n",
                 runtime.world_size, runtime.launcher.c_str(), communicator ? communicator->backend().c_str() : "no",
-                env->device().c_str(), threads, data.description.c_str(), data.train->size(), data.test->size(),
+                env->device().c_str(), threads, data.description.c_str(),
+                data.tokens() ? data.train_tokens->size() : data.train->size(),
+                data.tokens() ? data.eval_tokens->size() : data.test->size(), data.tokens() ? "tokens" : "examples",
                 (output_dir / "config.textproto").c_str());
   }
   torch::manual_seed(cfg.seed());
   const auto init_start = std::chrono::steady_clock::now();
   ModelOptions model_options = ToModelOptions(cfg.model());
-  model_options.in_channels = data.train->inputs.size(1);
-  model_options.height = data.train->inputs.size(2);
-  model_options.width = data.train->inputs.size(3);
+  if (!data.tokens()) {
+    model_options.in_channels = data.train->inputs.size(1);
+    model_options.height = data.train->inputs.size(2);
+    model_options.width = data.train->inputs.size(3);
+  }
   CheckModelFitsInMemory(cfg, model_options);  // a clear error, not libtorch's allocator's
   BuiltModel model = BuildModel(model_options);
   TrainState state = MakeTrainState(model.module, MakeOptimizerFactory(ToOptimizerOptions(cfg.optimizer())));
@@ -100,23 +105,49 @@ int Run(const config::TrainerConfig& cfg, const Runtime& runtime, std::unique_pt
   TrainerOptions options = ToTrainerOptions(cfg);
   options.communicator = communicator;
   options.data_parallel.coordination = env->coordination();
-  Trainer trainer(state, model.apply, CrossEntropyLoss(), options, runtime);
+  Trainer trainer(state, model.apply, data.tokens() ? LanguageModelLoss() : CrossEntropyLoss(), options, runtime);
   // Rank 0 alone writes (stdout, TensorBoard events, JSONL) on the trainer's
   // background thread; on a terminal a progress bar replaces the train lines.
   const RunWriters writers = AddConfiguredWriters(cfg, runtime, trainer);
   const std::shared_ptr<ProgressBar>& progress = writers.progress;
   AddConfiguredActions(cfg, trainer);
 
-  ShardedBatchIterator train_data(data.train, ToTrainSharding(cfg, runtime));
-  const ShardingOptions eval_sharding = ToEvalSharding(cfg, runtime);
-  const std::vector<EvalSet> eval_sets = {
-      {"test", [&] { return std::make_unique<ShardedBatchIterator>(data.test, eval_sharding); }}};
+  std::unique_ptr<BatchIterator> train_data = MakeTrainIterator(cfg, data, runtime);
+  const std::vector<EvalSet> eval_sets = {{"test", [&] { return MakeEvalIterator(cfg, data, runtime); }}};
+  if (data.tokens()) {
+    // Language-model metrics: bits per byte, tokens/s and MFU against the matrix
+    // product peak every rank measures now, all at once (rank 0's figure is used).
+    at::Tensor peak = at::scalar_tensor(MeasureMatmulFlops(), at::kDouble).reshape({1});
+    if (communicator != nullptr && communicator->world_size() > 1) communicator->Broadcast(peak, 0);
+    const double peak_flops = peak.item<double>();
+    const int64_t sequence = SequenceLength(cfg);
+    trainer.AddDerivedMetrics(LanguageModelMetrics(model_options.gpt, sequence, runtime.world_size, peak_flops));
+    // The share of step time rank 0 waited for its next batch.
+    auto* prefetcher = dynamic_cast<PrefetchingIterator*>(train_data.get());
+    trainer.AddDerivedMetrics([prefetcher, &state, wait = 0.0, step = int64_t{-1}](
+                                  const std::string& task, MetricMap& metrics) mutable {
+      if (task != "train" || prefetcher == nullptr) return;
+      const double waited = prefetcher->wait_seconds() - wait;
+      const int64_t steps = step < 0 ? 0 : state.step - step;
+      wait = prefetcher->wait_seconds();
+      step = state.step;
+      auto per_step = metrics.find(kSecondsPerStep);
+      if (steps > 0 && per_step != metrics.end() && per_step->second > 0) {
+        metrics["data_wait_fraction"] = waited / static_cast<double>(steps) / per_step->second;
+      }
+    });
+    if (runtime.is_chief()) {
+      std::printf("Language model: %" PRId64 " tokens per example, %.3g training FLOPs per token; peak %.3g GFLOP/s "
+                  "per rank (float32 matrix products measured on every rank at once; MFU is against it)\n",
+                  sequence, GptTrainingFlopsPerToken(model_options.gpt, sequence), peak_flops / 1e9);
+    }
+  }
   CheckpointManager checkpoints(ToCheckpointOptions(cfg), runtime.rank, runtime.world_size, env->coordination());
   JobOptions job_options = ToJobOptions(cfg);
   job_options.resume = absl::GetFlag(FLAGS_resume);
   if (progress && cfg.progress_updates() == "step") job_options.on_step = [progress](int64_t s) { progress->Step(s); };
 
-  JobResult result = TrainingJob(env.get(), job_options).Run(trainer, train_data, eval_sets, &checkpoints);
+  JobResult result = TrainingJob(env.get(), job_options).Run(trainer, *train_data, eval_sets, &checkpoints);
   if (result.reason == StopReason::kPeerFailed) return ExitCodeFor(result.reason);
   if (progress) progress->Finish();
   if (runtime.is_chief() && result.reason != StopReason::kPreempted) {
@@ -125,8 +156,13 @@ int Run(const config::TrainerConfig& cfg, const Runtime& runtime, std::unique_pt
     }
     if (trainer.halt().halt) std::printf("Stopped after step %" PRId64 ": %s\n", state.step, result.message.c_str());
     MetricMap& test = result.eval["test"];
-    std::printf("Done: %" PRId64 " steps in %.1f s; test loss %.4f, test accuracy %.4f\n", state.step,
-                SecondsSince(run_start), test[kLoss], test[kAccuracy]);
+    if (data.tokens()) {
+      std::printf("Done: %" PRId64 " steps in %.1f s; test loss %.4f, test bits per byte %.4f\n", state.step,
+                  SecondsSince(run_start), test[kLoss], test["bits_per_byte"]);
+    } else {
+      std::printf("Done: %" PRId64 " steps in %.1f s; test loss %.4f, test accuracy %.4f\n", state.step,
+                  SecondsSince(run_start), test[kLoss], test[kAccuracy]);
+    }
   }
   env->Finish();  // every rank waits until rank 0's writers are drained
   return ExitCodeFor(result.reason);

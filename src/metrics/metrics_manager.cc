@@ -156,6 +156,7 @@ Summary MetricsManager::Flush(int64_t step) {
     summary.metrics[kStepsPerSecond] = t.steps / t.seconds;
     summary.metrics[kExamplesPerSecond] = t.examples / t.seconds;
   }
+  if (options_.derive) options_.derive(summary.task, summary.metrics);
   period_.Clear();
   seconds_ = 0;
   timed_steps_ = 0;

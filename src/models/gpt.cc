@@ -119,6 +119,21 @@ at::Tensor GptImpl::forward(const at::Tensor& tokens) {
   return at::linear(ln_f_->forward(x), wte_->weight);
 }
 
+DeriveMetricsFn LanguageModelMetrics(const GptOptions& options, int64_t sequence_length, int world_size,
+                                     double peak_flops_per_rank) {
+  const double flops_per_token = GptTrainingFlopsPerToken(options, sequence_length);
+  return [=](const std::string& task, MetricMap& metrics) {
+    if (auto loss = metrics.find(kLoss); loss != metrics.end()) metrics["bits_per_byte"] = loss->second / std::log(2.0);
+    if (task != "train") return;
+    auto examples = metrics.find(kExamplesPerSecond);
+    if (examples == metrics.end()) return;
+    const double tokens = examples->second * static_cast<double>(sequence_length);
+    metrics["tokens_per_second"] = tokens;
+    metrics["tokens_per_second_per_rank"] = tokens / world_size;
+    if (peak_flops_per_rank > 0) metrics["mfu"] = flops_per_token * tokens / (peak_flops_per_rank * world_size);
+  };
+}
+
 LossFn LanguageModelLoss() {
   return [](const at::Tensor& outputs, const at::Tensor& targets) {
     if (outputs.dim() != 3 || targets.dim() != 2 || outputs.size(0) != targets.size(0) ||

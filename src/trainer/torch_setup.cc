@@ -1,5 +1,6 @@
 #include "lockstep/torch_setup.h"
 
+#include <ATen/ATen.h>
 #include <ATen/Context.h>
 #include <ATen/Parallel.h>
 #include <dlfcn.h>
@@ -7,6 +8,7 @@
 #include <sched.h>
 
 #include <algorithm>
+#include <chrono>
 #include <cstdlib>
 #include <thread>
 
@@ -82,6 +84,25 @@ int ConfigureTorchForTraining(int num_threads) {
   const int threads = num_threads > 0 ? num_threads : DefaultThreads();
   if (threads > 0) at::set_num_threads(threads);
   return at::get_num_threads();
+}
+
+double MeasureMatmulFlops(int64_t n, double min_seconds) {
+  at::NoGradGuard no_grad;
+  const at::Tensor a = at::randn({n, n}), b = at::randn({n, n});
+  at::Tensor c = at::empty({n, n});
+  at::mm_out(c, a, b);  // warm-up: threads started, pages touched
+  const auto begin = std::chrono::steady_clock::now();
+  double best = 0;
+  for (int runs = 0; runs < 1000; ++runs) {
+    const auto start = std::chrono::steady_clock::now();
+    at::mm_out(c, a, b);
+    const double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+    if (seconds > 0) best = std::max(best, 2.0 * static_cast<double>(n) * n * n / seconds);
+    if (runs >= 3 && std::chrono::duration<double>(std::chrono::steady_clock::now() - begin).count() >= min_seconds) {
+      break;
+    }
+  }
+  return best;
 }
 
 }  // namespace lockstep

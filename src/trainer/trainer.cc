@@ -57,6 +57,9 @@ MetricsManager& BaseTrainer::metrics_manager(const std::string& task) {
     options.communicator = communicator_;
     options.collective = collective_;
     if (runtime_.is_chief()) options.writer = writer_;
+    options.derive = [this](const std::string& name, MetricMap& metrics) {
+      for (const DeriveMetricsFn& derive : derivers_) derive(name, metrics);
+    };
     manager = std::make_unique<MetricsManager>(std::move(options));
     for (const auto& [name, reduction] : reductions_) manager->SetReduction(name, reduction);
   }
