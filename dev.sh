@@ -3,6 +3,8 @@
 # packages, as root or through sudo), configures and builds incrementally, then runs:
 #
 #   ./dev.sh train [lockstep_train flags]  the main job: a CNN on Fashion-MNIST, 2 ranks under mpirun
+#   ./dev.sh train-lm [flags]              the second main job: a GPT on the King James Bible, 2 ranks
+#                                          (prepares build/data/kjv first when it is missing)
 #   ./dev.sh test  [ctest flags]           the whole test suite
 #   ./dev.sh bench [benchmark flags]       Trainer vs hand-written step benchmark
 #   ./dev.sh scaleout [flags]              scale-out suite vs PyTorch DDP (benchmarks/scaleout.sh --help)
@@ -26,6 +28,7 @@ PACKAGES=(
   libgtest-dev libgmock-dev libbenchmark-dev python3-protobuf
   dataset-fashion-mnist python3-torch
   slurm-wlm munge
+  bible-kjv bible-kjv-text
 )
 FUZZ_PACKAGES=(clang libclang-rt-dev)
 
@@ -67,6 +70,13 @@ case "$command" in
     build
     exec launch/mpirun.sh -n "${LOCKSTEP_RANKS:-2}" -- \
       "$BUILD_DIR/lockstep_train" --config=configs/fashion_mnist_cnn.textproto "$@" ;;
+  train-lm)
+    build
+    if [[ ! -f build/data/kjv/train.bin || ! -f build/data/kjv/eval.bin ]]; then
+      /usr/bin/python3 data/prepare_kjv.py build/data/kjv
+    fi
+    exec launch/mpirun.sh -n "${LOCKSTEP_RANKS:-2}" -- \
+      "$BUILD_DIR/lockstep_train" --config=configs/kjv_gpt.textproto "$@" ;;  # data.token_dir: build/data/kjv
   test)
     build
     exec ctest --test-dir "$BUILD_DIR" --output-on-failure --timeout 900 -j 2 "$@" ;;

@@ -86,6 +86,24 @@ TEST(ConfigTest, ValidationNamesTheField) {
   EXPECT_TRUE(BuildConfig("", {"partitioning.strategy=fully_sharded"}).ok());
 }
 
+TEST(ConfigTest, LanguageModelConfigsAreChecked) {
+  auto gpt = [](std::vector<std::string> more) {
+    more.insert(more.begin(), {"model.name=gpt", "data.source=TOKENS"});
+    return BuildConfig("", more);
+  };
+  EXPECT_TRUE(gpt({}).ok()) << gpt({}).status();
+  EXPECT_THAT(gpt({"model.num_heads=3"}).status().message(),
+              HasSubstr("'model.num_heads' must divide model.width (128), got 3"));
+  EXPECT_THAT(gpt({"data.sequence_length=65"}).status().message(),
+              HasSubstr("'data.sequence_length' is longer than model.context_length (64), got 65"));
+  EXPECT_THAT(gpt({"model.vocab_size=100"}).status().message(), HasSubstr("'model.vocab_size'"));
+  EXPECT_THAT(gpt({"model.num_layers=0"}).status().message(), HasSubstr("'model.num_layers'"));
+  EXPECT_THAT(gpt({"data.prefetch_batches=0"}).status().message(), HasSubstr("'data.prefetch_batches'"));
+  EXPECT_THAT(BuildConfig("", {"model.name=gpt"}).status().message(),
+              HasSubstr("'data.source' TOKENS goes with model.name gpt"));
+  EXPECT_THAT(BuildConfig("", {"data.source=TOKENS"}).status().message(), HasSubstr("'data.source'"));
+}
+
 TEST(ConfigTest, ShippedConfigsAreValidAndRoundTrip) {
   for (const auto& entry : std::filesystem::directory_iterator(std::string(LOCKSTEP_SOURCE_DIR) + "/configs")) {
     SCOPED_TRACE(entry.path().string());
@@ -183,6 +201,22 @@ TEST_F(TrainBinaryTest, MissingDataIsARuntimeFailureNamingTheFile) {
   const Result r = RunTrainBinary("--set=data.dir=" + dir_ + "/nowhere,output_dir=" + dir_ + "/out");
   EXPECT_EQ(r.exit_code, 1);
   EXPECT_THAT(r.output, HasSubstr(dir_ + "/nowhere/train-images-idx3-ubyte.gz"));
+}
+
+TEST_F(TrainBinaryTest, LanguageModelErrorsNameTheFieldOrTheCommandThatPreparesTheData) {
+  Result r = RunTrainBinary("--config=" + std::string(LOCKSTEP_SOURCE_DIR) +
+                            "/configs/kjv_gpt.textproto --set=model.num_heads=5,output_dir=" + dir_ + "/out");
+  EXPECT_EQ(r.exit_code, 2);
+  EXPECT_THAT(r.output, HasSubstr("'model.num_heads' must divide model.width (128)"));
+  r = RunTrainBinary("--config=" + std::string(LOCKSTEP_SOURCE_DIR) +
+                     "/configs/kjv_gpt.textproto --set=data.sequence_length=100,output_dir=" + dir_ + "/out");
+  EXPECT_EQ(r.exit_code, 2);
+  EXPECT_THAT(r.output, HasSubstr("'data.sequence_length' is longer than model.context_length (64)"));
+  r = RunTrainBinary("--config=" + std::string(LOCKSTEP_SOURCE_DIR) + "/configs/kjv_gpt.textproto --set=data.token_dir=" +
+                     dir_ + "/unprepared,output_dir=" + dir_ + "/out");
+  EXPECT_EQ(r.exit_code, 1);
+  EXPECT_THAT(r.output, HasSubstr("'" + dir_ + "/unprepared/train.bin' is missing; prepare it with: "
+                                  "data/prepare_kjv.py " + dir_ + "/unprepared"));
 }
 
 TEST_F(TrainBinaryTest, TrainsOnSyntheticDataAndWritesTheResolvedConfig) {

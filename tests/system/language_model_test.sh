@@ -1,0 +1,53 @@
+#!/usr/bin/env bash
+# The language-model job end to end: the KJV prepared by data/prepare_kjv.py (from
+# Debian's bible reader), a small GPT trained by lockstep_train on 1 process and on
+# 2 ranks under mpirun with the same global batch: every train and test loss agrees
+# to 1e-5 relative, the language-model metrics are there, and the loss falls.
+# Skipped (exit 0, "SKIP") when the bible reader is missing.
+# Usage: language_model_test.sh SOURCE_DIR LOCKSTEP_TRAIN MPIRUN...
+set -euo pipefail
+source_dir=$1
+train=$2
+shift 2
+mpirun=("$@")
+work=$(mktemp -d)
+trap 'rm -rf "$work"' EXIT
+fail() { echo "FAIL: $*"; exit 1; }
+
+if ! command -v bible > /dev/null; then echo "SKIP: no bible reader (apt-get install bible-kjv bible-kjv-text)"; exit 0; fi
+/usr/bin/python3 "$source_dir/data/prepare_kjv.py" "$work/kjv" || fail "data/prepare_kjv.py"
+
+flags="model.num_layers=2,model.num_heads=2,model.width=32,model.context_length=32,data.token_dir=$work/kjv"
+flags+=",data.global_batch_size=8,data.eval_batch_size=256,num_train_steps=40,summary_every_steps=10"
+flags+=",eval_every_steps=20,num_microbatches=2,progress=lines,optimizer.learning_rate=0.003"
+config="--config=$source_dir/configs/kjv_gpt.textproto"
+
+"$train" "$config" --set="$flags,output_dir=$work/one" > "$work/one.log" 2>&1 || { cat "$work/one.log"; fail "1 process"; }
+"${mpirun[@]}" -np 2 "$train" "$config" --set="$flags,output_dir=$work/two" > "$work/two.log" 2>&1 ||
+  { cat "$work/two.log"; fail "2 ranks"; }
+
+# "Step N: task loss" lines of both runs, compared to 1e-5 relative.
+losses() { grep -E '^Step +[0-9]+: (train|test) (loss|bits_per_byte) ' "$1" | sed -E 's/ +/ /g'; }
+losses "$work/one.log" > "$work/one.txt"
+losses "$work/two.log" > "$work/two.txt"
+lines=$(wc -l < "$work/one.txt")
+[[ $lines -ge 12 ]] || { cat "$work/one.log"; fail "expected at least 12 loss lines, got $lines"; }
+paste -d'|' "$work/one.txt" "$work/two.txt" | awk -F'|' '
+  { split($1, a, " "); split($3, b, " ");
+    if (a[2] != b[2] || a[3] != b[3] || a[4] != b[4]) { print "FAIL: line " NR ": " $0; bad = 1; next }
+    x = $2 + 0; y = $4 + 0; d = x - y; if (d < 0) d = -d; s = x < 0 ? -x : x;
+    if (d > 1e-5 * s) { printf "FAIL: %s: 1 process %.8f, 2 ranks %.8f\n", a[2] " " a[3] " " a[4], x, y; bad = 1 }
+    if (d > worst) worst = d / s }
+  END { if (bad) exit 1; printf "OK: %d loss lines agree, worst relative difference %.2g\n", NR, worst }' ||
+  { cat "$work/two.log"; fail "2 ranks and 1 process disagree"; }
+[[ $(wc -l < "$work/two.txt") -eq $lines ]] || fail "2 ranks printed $(wc -l < "$work/two.txt") loss lines, not $lines"
+
+for metric in bits_per_byte tokens_per_second tokens_per_second_per_rank mfu data_wait_fraction; do
+  grep -q -E "^Step +20: train $metric \| [0-9.]+$" "$work/two.log" || { cat "$work/two.log"; fail "no train $metric"; }
+done
+grep -q "2 rank(s) via mpirun" "$work/two.log" || fail "no 2-rank banner"
+first=$(grep -E '^Step +10: train loss ' "$work/one.log" | awk -F'|' '{print $2}')
+last=$(grep -E '^Step +40: test loss ' "$work/one.log" | awk -F'|' '{print $2}')
+awk -v a="$first" -v b="$last" 'BEGIN { exit !(b < a - 0.3) }' || fail "the loss did not fall: $first -> $last"
+grep -q "Done: 40 steps" "$work/two.log" || fail "no Done line"
+echo "OK: test loss $first -> $last; metrics present"
