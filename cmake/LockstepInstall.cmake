@@ -9,7 +9,7 @@
 #   lib/liblockstep_*.a           one static library per layer
 #   lib/cmake/Lockstep/           LockstepConfig.cmake, LockstepConfigVersion.cmake,
 #                                 LockstepTargets*.cmake, FindNCCL.cmake
-#   bin/                          lockstep_train, lockstep_coordinator, lockstep_ckpt
+#   bin/                          lockstep_train, lockstep_coordinator, lockstep_ckpt, lockstep_sample
 #   share/lockstep/launch/        mpirun and Slurm launch scripts
 #   share/lockstep/configs/       example training configs
 #   share/lockstep/proto/         the .proto sources of the generated headers
@@ -44,7 +44,7 @@ install(TARGETS ${_lockstep_libraries} lockstep
 # The binaries link shared libraries outside the system's search path (CUDA and
 # NCCL under /usr/local/cuda): keep those directories in their installed RPATH.
 # Directories inside the build tree are never added (only ones outside it are).
-set(_lockstep_programs lockstep_train lockstep_coordinator lockstep_ckpt)
+set(_lockstep_programs lockstep_train lockstep_coordinator lockstep_ckpt lockstep_sample)
 set_target_properties(${_lockstep_programs} PROPERTIES INSTALL_RPATH_USE_LINK_PATH ON)
 install(TARGETS ${_lockstep_programs} RUNTIME DESTINATION ${LOCKSTEP_INSTALL_BINDIR})
 

@@ -2,13 +2,16 @@
 # The language-model job end to end: the KJV prepared by data/prepare_kjv.py (from
 # Debian's bible reader), a small GPT trained by lockstep_train on 1 process and on
 # 2 ranks under mpirun with the same global batch: every train and test loss agrees
-# to 1e-5 relative, the language-model metrics are there, and the loss falls.
+# to 1e-5 relative, the language-model metrics are there, and the loss falls;
+# lockstep_sample loads the 2-rank run's checkpoint and prints the same text for
+# the same seed, and refuses a run that is not a GPT.
 # Skipped (exit 0, "SKIP") when the bible reader is missing.
-# Usage: language_model_test.sh SOURCE_DIR LOCKSTEP_TRAIN MPIRUN...
+# Usage: language_model_test.sh SOURCE_DIR LOCKSTEP_TRAIN LOCKSTEP_SAMPLE MPIRUN...
 set -euo pipefail
 source_dir=$1
 train=$2
-shift 2
+sample=$3
+shift 3
 mpirun=("$@")
 work=$(mktemp -d)
 trap 'rm -rf "$work"' EXIT
@@ -51,3 +54,21 @@ last=$(grep -E '^Step +40: test loss ' "$work/one.log" | awk -F'|' '{print $2}')
 awk -v a="$first" -v b="$last" 'BEGIN { exit !(b < a - 0.3) }' || fail "the loss did not fall: $first -> $last"
 grep -q "Done: 40 steps" "$work/two.log" || fail "no Done line"
 echo "OK: test loss $first -> $last; metrics present"
+
+# The sampler: the same seed, the same text, which continues the prompt.
+"$sample" --run="$work/two" --prompt="And God said" --tokens=60 --seed=3 > "$work/sample1.txt" 2> "$work/sample.err" ||
+  { cat "$work/sample.err"; fail "lockstep_sample"; }
+"$sample" --run="$work/two" --prompt="And God said" --tokens=60 --seed=3 > "$work/sample2.txt" 2>> "$work/sample.err"
+cmp -s "$work/sample1.txt" "$work/sample2.txt" || fail "the same seed gave different text"
+head -c 12 "$work/sample1.txt" | grep -q "^And God said$" || fail "the sample does not start with the prompt"
+[[ $(wc -c < "$work/sample1.txt") -eq 73 ]] || fail "expected 12 + 60 bytes and a newline, got $(wc -c < "$work/sample1.txt")"
+grep -q "step_00000040 (step 40, written by 2 rank(s))" "$work/sample.err" || { cat "$work/sample.err"; fail "not the last checkpoint"; }
+"$sample" --run="$work/two" --prompt="And God said" --tokens=60 --seed=4 > "$work/sample3.txt" 2>/dev/null
+cmp -s "$work/sample1.txt" "$work/sample3.txt" && fail "another seed gave the same text"
+"$train" --set="data.source=SYNTHETIC,model.name=mlp,num_train_steps=2,output_dir=$work/mlp" > /dev/null 2>&1
+set +e
+"$sample" --run="$work/mlp" > /dev/null 2> "$work/mlp.err"
+status=$?
+set -e
+[[ $status -eq 2 ]] && grep -q "not gpt" "$work/mlp.err" || { cat "$work/mlp.err"; fail "an MLP run: exit $status"; }
+echo "OK: lockstep_sample: $(tr '\n' ' ' < "$work/sample1.txt")"
