@@ -16,6 +16,10 @@ under DDP's no_sync() ("nosync": no all-reduce), a barrier between phases. Then
 a forward / backward / optimizer breakdown on the bare module. Rank 0 prints one
 JSON object on the last line of stdout, with the same keys as the Lockstep side.
 
+--plain (1 rank): the bare module and optimizer without the DDP wrapper, PyTorch's
+plain training loop; "framework" is then "torch_plain". --model gpt: the GPT of
+configs/kjv_gpt.textproto (tests/system/gpt_reference.py's model) on random bytes.
+
 --zero: the optimizer is torch.distributed.optim.ZeroRedundancyOptimizer over
 the same torch.optim class and settings (ZeRO-1: each rank keeps the state of
 its share of the parameters, whole tensors, and broadcasts them after its
@@ -35,7 +39,6 @@ import sys
 import time
 
 
-
 def pss_now_mib():
     """This process's proportional set size in MiB (shared pages split among their
     users), as scaleout_benchmark reports it; 0 when /proc/self/smaps_rollup is absent."""
@@ -52,10 +55,13 @@ def pss_now_mib():
         pass
     return 0.0
 
+
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--ranks", type=int, default=2)
-    p.add_argument("--model", default="small_mlp", choices=["small_mlp", "wide_mlp", "cnn"])
+    p.add_argument("--model", default="small_mlp", choices=["small_mlp", "wide_mlp", "cnn", "gpt"])
+    p.add_argument("--plain", action="store_true",
+                   help="1 rank only: the bare module and optimizer, no DDP wrapper (PyTorch's plain loop)")
     p.add_argument("--batch-per-rank", type=int, default=32)
     p.add_argument("--optimizer", default="sgd", choices=["sgd", "adam"])
     p.add_argument("--threads", type=int, default=1, help="intra-op threads per rank")
@@ -88,8 +94,18 @@ def process_settings(args):
         os.environ["MALLOC_MMAP_MAX_"] = "0"
 
 
+GPT_CONTEXT = 64  # configs/kjv_gpt.textproto's model, as scaleout_benchmark.cc builds it
+
+
 def build_model(torch, name):
     nn = torch.nn
+    if name == "gpt":
+        # The same GPT as Lockstep's (tests/system/gpt_reference.py: same names, shapes and init scheme).
+        sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "tests", "system"))
+        import gpt_reference
+        model = gpt_reference.Gpt(256, GPT_CONTEXT, 4, 4, 128)
+        gpt_reference.init_like_lockstep(model, 4)
+        return model, None, 256
     if name == "small_mlp":
         return nn.Sequential(nn.Flatten(), nn.Linear(784, 256), nn.ReLU(), nn.Linear(256, 256), nn.ReLU(),
                              nn.Linear(256, 10)), (1, 28, 28), 10
@@ -119,7 +135,10 @@ def worker(rank, args, port, queue):
 
     torch.manual_seed(0)
     module, input_shape, classes = build_model(torch, args.model)
-    model = torch.nn.parallel.DistributedDataParallel(module, bucket_cap_mb=args.bucket_mb)
+    if args.plain:
+        model = module  # the plain loop: no DDP
+    else:
+        model = torch.nn.parallel.DistributedDataParallel(module, bucket_cap_mb=args.bucket_mb)
     if args.optimizer == "sgd":
         optimizer_class, settings = torch.optim.SGD, dict(lr=0.01, momentum=0.9)
     else:
@@ -132,8 +151,16 @@ def worker(rank, args, port, queue):
         optimizer = optimizer_class(model.parameters(), **settings)
         local_optimizer = optimizer
     torch.manual_seed(1000 + rank)
-    batches = [(torch.randn(args.batch_per_rank, *input_shape), torch.randint(classes, (args.batch_per_rank,)))
-               for _ in range(4)]
+    if args.model == "gpt":  # random bytes, as on the Lockstep side
+        batches = [(torch.randint(256, (args.batch_per_rank, GPT_CONTEXT)),
+                    torch.randint(256, (args.batch_per_rank, GPT_CONTEXT))) for _ in range(4)]
+    else:
+        batches = [(torch.randn(args.batch_per_rank, *input_shape), torch.randint(classes, (args.batch_per_rank,)))
+                   for _ in range(4)]
+
+    def loss_of(out, y):
+        return F.cross_entropy(out.reshape(-1, out.shape[-1]), y.reshape(-1)) if out.dim() == 3 \
+            else F.cross_entropy(out, y)
     step_index = [0]
 
     def step(sync):
@@ -141,10 +168,10 @@ def worker(rank, args, port, queue):
         step_index[0] += 1
         optimizer.zero_grad()
         if sync:
-            F.cross_entropy(model(x), y).backward()
+            loss_of(model(x), y).backward()
         else:
             with model.no_sync():
-                F.cross_entropy(model(x), y).backward()
+                loss_of(model(x), y).backward()
         optimizer.step()
 
     def phase(sync, steps, times):
@@ -182,7 +209,7 @@ def worker(rank, args, port, queue):
         x, y = batches[i % len(batches)]
         t0 = time.perf_counter()
         optimizer.zero_grad()
-        loss = F.cross_entropy(module(x), y)
+        loss = loss_of(module(x), y)
         t1 = time.perf_counter()
         loss.backward()
         t2 = time.perf_counter()
@@ -204,7 +231,7 @@ def worker(rank, args, port, queue):
         col = lambda k, scale=1e3: [float(g[k]) * scale for g in gathered]
         grad_bytes = sum(p.numel() * p.element_size() for p in module.parameters())
         queue.put({
-            "framework": "ddp_zero" if args.zero else "ddp", "model": args.model, "ranks": args.ranks, "batch_per_rank": args.batch_per_rank,
+            "framework": "ddp_zero" if args.zero else ("torch_plain" if args.plain else "ddp"), "model": args.model, "ranks": args.ranks, "batch_per_rank": args.batch_per_rank,
             "threads": torch.get_num_threads(), "optimizer": args.optimizer,
             "parameters": sum(p.numel() for p in module.parameters() if p.requires_grad),
             "gradient_bytes": grad_bytes,
@@ -237,6 +264,8 @@ def free_port():
 
 def main(argv=None):
     args = parse_args(argv)
+    if args.plain and (args.ranks != 1 or args.zero):
+        sys.exit("ddp_benchmark: --plain is PyTorch's loop on 1 rank, without DDP or ZeRO (--ranks 1)")
     process_settings(args)
     import torch.multiprocessing as mp
 

@@ -52,6 +52,7 @@
 #include "absl/flags/flag.h"
 #include "absl/flags/parse.h"
 #include "lockstep/data.h"
+#include "lockstep/gpt.h"
 #include "lockstep/models.h"
 #include "lockstep/mpi_communicator.h"
 #include "lockstep/runtime.h"
@@ -60,7 +61,9 @@
 #include "lockstep/trainer.h"
 
 ABSL_FLAG(std::string, mode, "train", "train or collectives");
-ABSL_FLAG(std::string, model, "small_mlp", "small_mlp (784-256-256-10), wide_mlp (1024-4096-4096-1024) or cnn");
+ABSL_FLAG(std::string, model, "small_mlp",
+          "small_mlp (784-256-256-10), wide_mlp (1024-4096-4096-1024), cnn, or gpt (configs/kjv_gpt.textproto's "
+          "GPT on random bytes)");
 ABSL_FLAG(int64_t, batch_per_rank, 32, "examples per rank per step (weak scaling)");
 ABSL_FLAG(std::string, optimizer, "sgd", "sgd (momentum 0.9) or adam");
 ABSL_FLAG(std::string, partitioning, "replicated",
@@ -172,6 +175,7 @@ class Json {
 struct ModelSpec {
   ModelOptions options;
   std::vector<int64_t> input_shape;  // per example
+  int64_t sequence_length = 0;       // a language model's tokens per example; 0 for a classifier
 };
 
 ModelSpec Spec(const std::string& name) {
@@ -190,8 +194,12 @@ ModelSpec Spec(const std::string& name) {
   } else if (name == "cnn") {
     spec.options.name = "cnn";
     spec.input_shape = {1, 28, 28};
+  } else if (name == "gpt") {
+    // configs/kjv_gpt.textproto's model: 4 layers, 4 heads, width 128, 64 bytes of context.
+    spec.options.name = "gpt";
+    spec.sequence_length = spec.options.gpt.context_length;
   } else {
-    throw InvalidArgumentError("unknown --model '" + name + "' (small_mlp, wide_mlp, cnn)");
+    throw InvalidArgumentError("unknown --model '" + name + "' (small_mlp, wide_mlp, cnn, gpt)");
   }
   return spec;
 }
@@ -204,6 +212,12 @@ class CyclingIterator : public BatchIterator {
     std::vector<int64_t> shape = {batch};
     shape.insert(shape.end(), spec.input_shape.begin(), spec.input_shape.end());
     for (int i = 0; i < 4; ++i) {
+      if (spec.sequence_length > 0) {  // random bytes: the step's cost does not depend on the text
+        const int64_t vocab = spec.options.gpt.vocab_size;
+        batches_.push_back(Batch{at::randint(vocab, {batch, spec.sequence_length}, at::kLong),
+                                 at::randint(vocab, {batch, spec.sequence_length}, at::kLong), {}});
+        continue;
+      }
       batches_.push_back(Batch{at::randn(shape), at::randint(spec.options.num_classes, {batch}, at::kLong), {}});
     }
   }
@@ -293,7 +307,8 @@ int RunTrain(Communicator& comm, const Runtime& runtime) {
   options.communicator = &comm;
   options.data_parallel.bucket_bytes = static_cast<size_t>(absl::GetFlag(FLAGS_bucket_mb) * (1 << 20));
   options.partitioning = *partitioning;
-  Trainer sync(state, model.apply, CrossEntropyLoss(), options, runtime);
+  const LossFn loss_fn = spec.sequence_length > 0 ? LanguageModelLoss() : CrossEntropyLoss();
+  Trainer sync(state, model.apply, loss_fn, options, runtime);
   DataParallel* dp = sync.data_parallel();
   ShardedDataParallel* sharded = sync.sharded_data_parallel();
   // The nosync phase: a Trainer on the same state without a communicator. Not
@@ -304,7 +319,7 @@ int RunTrain(Communicator& comm, const Runtime& runtime) {
     TrainerOptions alone_options = options;
     alone_options.communicator = nullptr;
     alone_options.partitioning = PartitioningStrategy::kReplicated;
-    alone = std::make_unique<Trainer>(state, model.apply, CrossEntropyLoss(), alone_options, runtime);
+    alone = std::make_unique<Trainer>(state, model.apply, loss_fn, alone_options, runtime);
   }
   // Seconds blocked on communication so far, whichever of the two does it.
   auto comm_wait = [&] {
@@ -352,6 +367,9 @@ int RunTrain(Communicator& comm, const Runtime& runtime) {
   // step do not count as held.
   malloc_trim(0);
   const double pss = PssMib();
+  // A language model's MFU divides by this: the float32 matrix-product peak, every
+  // rank measuring at once (the phases above end at a barrier).
+  const double peak_flops = spec.sequence_length > 0 ? MeasureMatmulFlops() : 0.0;
   // Before the breakdown loop, which would add gradients a sharded run does not keep.
   const PartitionedBytes held = HeldBytes(state, sharded);
 
@@ -365,7 +383,7 @@ int RunTrain(Communicator& comm, const Runtime& runtime) {
     const Batch& b = data.Peek(i);
     const auto t0 = Clock::now();
     optimizer.zero_grad();
-    at::Tensor loss = at::cross_entropy_loss(model.apply(*state.model, b.inputs), b.targets);
+    at::Tensor loss = loss_fn(model.apply(*state.model, b.inputs), b.targets).mean();
     const auto t1 = Clock::now();
     loss.backward();
     const auto t2 = Clock::now();
@@ -380,9 +398,9 @@ int RunTrain(Communicator& comm, const Runtime& runtime) {
   const std::vector<double> per_rank =
       GatherAll(comm, {Median(sync_times), Median(nosync_times), Median(wait_times), Median(bucket_wait_times), rss,
                        Median(forward), Median(backward), Median(update), static_cast<double>(held.parameters),
-                       static_cast<double>(held.gradients), static_cast<double>(held.optimizer_state), pss});
+                       static_cast<double>(held.gradients), static_cast<double>(held.optimizer_state), pss, peak_flops});
   if (comm.rank() != 0) return 0;
-  constexpr int kColumns = 12;
+  constexpr int kColumns = 13;
   auto column = [&](int k) {
     std::vector<double> out;
     for (int r = 0; r < world; ++r) out.push_back(per_rank[kColumns * r + k]);
@@ -414,6 +432,10 @@ int RunTrain(Communicator& comm, const Runtime& runtime) {
       .Array("bucket_wait_ms_median_per_rank", ms(column(3)))
       .Array("max_rss_mib_per_rank", column(4))
       .Array("pss_mib_per_rank", column(11))
+      .Num("tokens_per_example", static_cast<double>(spec.sequence_length))
+      .Num("flops_per_token",
+           spec.sequence_length > 0 ? GptTrainingFlopsPerToken(spec.options.gpt, spec.sequence_length) : 0.0)
+      .Array("peak_flops_per_rank", column(12))
       .Array("forward_ms_median_per_rank", ms(column(5)))
       .Array("backward_ms_median_per_rank", ms(column(6)))
       .Array("optimizer_ms_median_per_rank", ms(column(7)))

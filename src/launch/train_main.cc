@@ -22,6 +22,9 @@
 #include "absl/flags/flag.h"
 #include "absl/flags/parse.h"
 #include "absl/flags/usage.h"
+#include "absl/strings/numbers.h"
+#include "absl/strings/str_format.h"
+#include "lockstep/agreement.h"
 #include "lockstep/checkpoint.h"
 #include "lockstep/config.h"
 #include "lockstep/gpt.h"
@@ -117,9 +120,10 @@ int Run(const config::TrainerConfig& cfg, const Runtime& runtime, std::unique_pt
   if (data.tokens()) {
     // Language-model metrics: bits per byte, tokens/s and MFU against the matrix
     // product peak every rank measures now, all at once (rank 0's figure is used).
-    at::Tensor peak = at::scalar_tensor(MeasureMatmulFlops(), at::kDouble).reshape({1});
-    if (communicator != nullptr && communicator->world_size() > 1) communicator->Broadcast(peak, 0);
-    const double peak_flops = peak.item<double>();
+    std::string peak = absl::StrFormat("%.17g", MeasureMatmulFlops());
+    if (communicator != nullptr && communicator->world_size() > 1) peak = BroadcastString(*communicator, peak);
+    double peak_flops = 0;
+    if (!absl::SimpleAtod(peak, &peak_flops)) peak_flops = 0;
     const int64_t sequence = SequenceLength(cfg);
     trainer.AddDerivedMetrics(LanguageModelMetrics(model_options.gpt, sequence, runtime.world_size, peak_flops));
     // The share of step time rank 0 waited for its next batch.
