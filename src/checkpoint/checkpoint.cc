@@ -200,6 +200,74 @@ class BoundedReadAdapter final : public caffe2::serialize::ReadAdapterInterface 
   const std::string& bytes_;
 };
 
+// Walks the opcodes of a pickle (protocols 0-5) and throws CheckpointError when an
+// argument runs past the end, an opcode is unknown, or a memo index is larger
+// than the pickle could number: libtorch's unpickler grows its memo table to any
+// index a PUT names, so that a hand-made shard made it ask for 26 GB and abort
+// (found by fuzz/checkpoint_shard_fuzzer). A real pickle's memo indices count its
+// PUTs, each at least two bytes long, so they stay below its size.
+void CheckPickle(const char* data, size_t size, const std::string& what) {
+  auto bad = [&](const std::string& why) { return CheckpointError(absl::StrCat(what, ": ", why)); };
+  size_t at = 0;
+  auto need = [&](size_t n) {
+    if (n > size - at) throw bad("a pickle argument runs past its end");
+  };
+  auto little = [&](size_t n) {  // an n-byte little-endian unsigned argument
+    need(n);
+    uint64_t v = 0;
+    for (size_t k = 0; k < n; ++k) v |= static_cast<uint64_t>(static_cast<uint8_t>(data[at + k])) << (8 * k);
+    at += n;
+    return v;
+  };
+  auto line = [&] {  // a newline-terminated argument
+    const void* end = std::memchr(data + at, '\n', size - at);
+    if (end == nullptr) throw bad("a pickle argument runs past its end");
+    std::string text(data + at, static_cast<const char*>(end));
+    at = static_cast<size_t>(static_cast<const char*>(end) - data) + 1;
+    return text;
+  };
+  auto memo = [&](uint64_t index) {
+    if (index >= size) throw bad(absl::StrCat("a pickle memo index ", index, " in ", size, " bytes"));
+  };
+  while (at < size) {
+    const uint8_t op = static_cast<uint8_t>(data[at++]);
+    switch (op) {
+      case '(': case '.': case '0': case '1': case '2': case 'N': case 0x88: case 0x89: case '}': case ']':
+      case ')': case 'a': case 'e': case 'b': case 'd': case 'l': case 't': case 0x85: case 0x86: case 0x87:
+      case 'R': case 's': case 'u': case 'Q': case 0x81: case 'o': case 0x8f: case 0x90: case 0x91: case 0x92:
+      case 0x93: case 0x94: case 0x97: case 0x98:
+        if (op == '.') return;  // STOP
+        break;
+      case 'K': case 0x80: case 0x82: at += (need(1), 1); break;
+      case 'M': case 0x83: at += (need(2), 2); break;
+      case 'J': case 0x84: at += (need(4), 4); break;
+      case 'G': case 0x95: at += (need(8), 8); break;
+      case 'h': case 'q': memo(little(1)); break;
+      case 'j': case 'r': memo(little(4)); break;
+      case 'U': case 0x8c: case 'C': case 0x8a: { const uint64_t n = little(1); need(n); at += n; break; }
+      case 'T': case 'X': case 'B': case 0x8b: { const uint64_t n = little(4); need(n); at += n; break; }
+      case 0x8d: case 0x8e: case 0x96: {
+        const uint64_t n = little(8);
+        if (n > size) throw bad("a pickle argument runs past its end");
+        need(n);
+        at += n;
+        break;
+      }
+      case 'g': case 'p': {
+        uint64_t index = 0;
+        if (!absl::SimpleAtoi(line(), &index)) throw bad("a pickle memo index that is not a number");
+        memo(index);
+        break;
+      }
+      case 'I': case 'L': case 'F': case 'S': case 'V': case 'P': line(); break;
+      case 'c': case 'i': line(); line(); break;
+      default:
+        throw bad(absl::StrFormat("an unknown pickle opcode 0x%02x", op));
+    }
+  }
+  throw bad("a pickle without its STOP");
+}
+
 // What torch::jit::pickle_save wrote (pickle_load, through BoundedReadAdapter).
 // Every tensor record is read first and handed to the unpickler as a storage of
 // the record's real size: left to itself, libtorch sizes a storage by what the
@@ -209,6 +277,10 @@ class BoundedReadAdapter final : public caffe2::serialize::ReadAdapterInterface 
 // the real size.
 c10::IValue LoadPickled(const std::string& bytes) {
   caffe2::serialize::PyTorchStreamReader reader(std::make_shared<BoundedReadAdapter>(bytes));
+  if (reader.hasRecord("data.pkl")) {
+    auto [pickle, size] = reader.getRecord("data.pkl");
+    CheckPickle(static_cast<const char*>(pickle.get()), size, "data.pkl");
+  }
   auto storages = std::make_shared<torch::jit::DeserializationStorageContext>();
   constexpr char kTensorDir[] = "data/";
   for (const std::string& name : reader.getAllRecords()) {
