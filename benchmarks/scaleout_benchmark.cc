@@ -369,7 +369,7 @@ int RunTrain(Communicator& comm, const Runtime& runtime) {
   const double pss = PssMib();
   // A language model's MFU divides by this: the float32 matrix-product peak, every
   // rank measuring at once (the phases above end at a barrier).
-  const double peak_flops = spec.sequence_length > 0 ? MeasureMatmulFlops() : 0.0;
+  const double peak_flops = spec.sequence_length > 0 ? MeasureMatmulFlops("cpu") : 0.0;
   // Before the breakdown loop, which would add gradients a sharded run does not keep.
   const PartitionedBytes held = HeldBytes(state, sharded);
 

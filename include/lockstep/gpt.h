@@ -28,10 +28,12 @@
 #include <torch/nn/pimpl.h>
 
 #include <cstdint>
+#include <string>
 
 #include "lockstep/metrics.h"
 #include "lockstep/models.h"
 #include "lockstep/step.h"
+#include "lockstep/trainer.h"
 
 namespace lockstep {
 
@@ -84,6 +86,13 @@ TORCH_MODULE(Gpt);
 // world_size).
 DeriveMetricsFn LanguageModelMetrics(const GptOptions& options, int64_t sequence_length, int world_size,
                                      double peak_flops_per_rank);
+
+// What a BaseTrainer of a GPT needs for those metrics, in one call: measures the
+// float32 matrix-product peak on `device` on every rank of the trainer's
+// communicator at once (MeasureAgreedMatmulFlops: rank 0's figure everywhere) and
+// adds LanguageModelMetrics to the trainer. A collective. Returns the peak per rank.
+double AddLanguageModelMetrics(BaseTrainer& trainer, const GptOptions& options, int64_t sequence_length,
+                               const std::string& device = "cpu");
 
 // The per-example loss of a language model: for outputs [B, T, V] (logits) and
 // targets int64 [B, T], each example's mean cross-entropy over its T positions

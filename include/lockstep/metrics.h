@@ -30,6 +30,9 @@ inline constexpr char kWeightsL2Norm[] = "weights_l2norm";
 inline constexpr char kSecondsPerStep[] = "seconds_per_step";
 inline constexpr char kExamplesPerSecond[] = "examples_per_second";
 inline constexpr char kStepsPerSecond[] = "steps_per_second";
+// Train summaries: the share of rank 0's step time spent waiting for the data
+// iterator's next batch (BaseTrainer::Train times every Next()).
+inline constexpr char kDataWaitFraction[] = "data_wait_fraction";
 // Examples behind a value (this rank's, per step; all ranks', in summaries); weights
 // means, not printed.
 inline constexpr char kNumExamples[] = "num_examples";

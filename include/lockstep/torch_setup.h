@@ -24,18 +24,26 @@
 #define LOCKSTEP_TORCH_SETUP_H_
 
 #include <cstdint>
+#include <string>
 
 namespace lockstep {
+
+class Communicator;
 
 // Returns the number of intra-op threads in effect.
 int ConfigureTorchForTraining(int num_threads = 0);
 
 // The float32 FLOP/s this process reaches on square matrix products of size n
-// (2 n^3 per product) with its intra-op threads, the best of repeated runs over
-// at least `min_seconds`: the peak that model FLOPs utilisation (MFU) divides by
-// on a CPU. Run it on every rank at once to measure what each gets while the
-// others compute too.
-double MeasureMatmulFlops(int64_t n = 512, double min_seconds = 0.5);
+// (2 n^3 per product) on `device` ("cpu" with its intra-op threads, or "cuda:N"),
+// the best of repeated runs over at least `min_seconds`: the peak that model FLOPs
+// utilisation (MFU) divides by. n <= 0 picks 512 on a CPU and 8192 on a GPU. Run
+// it on every rank at once to measure what each gets while the others compute too.
+double MeasureMatmulFlops(const std::string& device = "cpu", int64_t n = 0, double min_seconds = 0.5);
+
+// MeasureMatmulFlops on every rank of `communicator` at once (null: this process
+// alone), and rank 0's figure on every rank, so that every rank derives the same
+// MFU. A collective.
+double MeasureAgreedMatmulFlops(Communicator* communicator, const std::string& device = "cpu");
 
 }  // namespace lockstep
 

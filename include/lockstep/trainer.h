@@ -120,6 +120,8 @@ class BaseTrainer {
 
   TrainState& state() { return state_; }
   const Runtime& runtime() const { return runtime_; }
+  // The ranks this trainer's steps and metrics span; null for one process.
+  Communicator* communicator() const { return communicator_; }
 
  protected:
   // One partitioned train step on this rank's shard of a global batch. Must apply
@@ -136,7 +138,6 @@ class BaseTrainer {
     if (before_update_) before_update_();
   }
 
-  Communicator* communicator() const { return communicator_; }
   const CollectiveOptions& collective_options() const { return collective_; }
   // The task's manager, made on first use.
   MetricsManager& metrics_manager(const std::string& task);
@@ -154,6 +155,10 @@ class BaseTrainer {
   int64_t summary_every_steps_ = 100;
   std::vector<SummarySink> sinks_;
   std::vector<DeriveMetricsFn> derivers_;
+  // Seconds Train spent in the iterator's Next() over the steps of the summary
+  // period under way (training thread only): data_wait_fraction in summaries.
+  double data_wait_seconds_ = 0;
+  int64_t data_wait_steps_ = 0;
   std::vector<SummarySink> writer_sinks_;
   std::shared_ptr<AsyncSummaryWriter> writer_;  // rank 0, made with the first manager
   std::map<std::string, MetricReduction> reductions_;

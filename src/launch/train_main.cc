@@ -118,32 +118,15 @@ int Run(const config::TrainerConfig& cfg, const Runtime& runtime, std::unique_pt
   std::unique_ptr<BatchIterator> train_data = MakeTrainIterator(cfg, data, runtime);
   const std::vector<EvalSet> eval_sets = {{"test", [&] { return MakeEvalIterator(cfg, data, runtime); }}};
   if (data.tokens()) {
-    // Language-model metrics: bits per byte, tokens/s and MFU against the matrix
-    // product peak every rank measures now, all at once (rank 0's figure is used).
-    std::string peak = absl::StrFormat("%.17g", MeasureMatmulFlops());
-    if (communicator != nullptr && communicator->world_size() > 1) peak = BroadcastString(*communicator, peak);
-    double peak_flops = 0;
-    if (!absl::SimpleAtod(peak, &peak_flops)) peak_flops = 0;
+    // Bits per byte, tokens/s and MFU against the matrix-product peak that every
+    // rank measures now, all at once (rank 0's figure is used).
     const int64_t sequence = SequenceLength(cfg);
-    trainer.AddDerivedMetrics(LanguageModelMetrics(model_options.gpt, sequence, runtime.world_size, peak_flops));
-    // The share of step time rank 0 waited for its next batch.
-    auto* prefetcher = dynamic_cast<PrefetchingIterator*>(train_data.get());
-    trainer.AddDerivedMetrics([prefetcher, &state, wait = 0.0, step = int64_t{-1}](
-                                  const std::string& task, MetricMap& metrics) mutable {
-      if (task != "train" || prefetcher == nullptr) return;
-      const double waited = prefetcher->wait_seconds() - wait;
-      const int64_t steps = step < 0 ? 0 : state.step - step;
-      wait = prefetcher->wait_seconds();
-      step = state.step;
-      auto per_step = metrics.find(kSecondsPerStep);
-      if (steps > 0 && per_step != metrics.end() && per_step->second > 0) {
-        metrics["data_wait_fraction"] = waited / static_cast<double>(steps) / per_step->second;
-      }
-    });
+    const double peak_flops = AddLanguageModelMetrics(trainer, model_options.gpt, sequence, env->device());
     if (runtime.is_chief()) {
       std::printf("Language model: %" PRId64 " tokens per example, %.3g training FLOPs per token; peak %.3g GFLOP/s "
-                  "per rank (float32 matrix products measured on every rank at once; MFU is against it)\n",
-                  sequence, GptTrainingFlopsPerToken(model_options.gpt, sequence), peak_flops / 1e9);
+                  "per rank (float32 matrix products on %s, measured on every rank at once; MFU is against it)\n",
+                  sequence, GptTrainingFlopsPerToken(model_options.gpt, sequence), peak_flops / 1e9,
+                  env->device().c_str());
     }
   }
   CheckpointManager checkpoints(ToCheckpointOptions(cfg), runtime.rank, runtime.world_size, env->coordination());

@@ -9,7 +9,9 @@
 #include <vector>
 
 #include "absl/strings/str_cat.h"
+#include "lockstep/communicator.h"
 #include "lockstep/errors.h"
+#include "lockstep/torch_setup.h"
 
 namespace lockstep {
 namespace {
@@ -132,6 +134,15 @@ DeriveMetricsFn LanguageModelMetrics(const GptOptions& options, int64_t sequence
     metrics["tokens_per_second_per_rank"] = tokens / world_size;
     if (peak_flops_per_rank > 0) metrics["mfu"] = flops_per_token * tokens / (peak_flops_per_rank * world_size);
   };
+}
+
+double AddLanguageModelMetrics(BaseTrainer& trainer, const GptOptions& options, int64_t sequence_length,
+                               const std::string& device) {
+  Communicator* communicator = trainer.communicator();
+  const double peak = MeasureAgreedMatmulFlops(communicator, device);
+  const int world_size = communicator != nullptr ? communicator->world_size() : 1;
+  trainer.AddDerivedMetrics(LanguageModelMetrics(options, sequence_length, world_size, peak));
+  return peak;
 }
 
 LossFn LanguageModelLoss() {

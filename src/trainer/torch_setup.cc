@@ -10,7 +10,14 @@
 #include <algorithm>
 #include <chrono>
 #include <cstdlib>
+#include <string>
 #include <thread>
+
+#include "absl/strings/numbers.h"
+#include "absl/strings/str_format.h"
+#include "lockstep/agreement.h"
+#include "lockstep/communicator.h"
+#include "lockstep/errors.h"
 
 namespace lockstep {
 namespace {
@@ -86,23 +93,42 @@ int ConfigureTorchForTraining(int num_threads) {
   return at::get_num_threads();
 }
 
-double MeasureMatmulFlops(int64_t n, double min_seconds) {
+double MeasureMatmulFlops(const std::string& device, int64_t n, double min_seconds) {
   at::NoGradGuard no_grad;
-  const at::Tensor a = at::randn({n, n}), b = at::randn({n, n});
-  at::Tensor c = at::empty({n, n});
-  at::mm_out(c, a, b);  // warm-up: threads started, pages touched
+  const at::Device where(device);
+  if (n <= 0) n = where.is_cpu() ? 512 : 8192;
+  const at::TensorOptions options = at::TensorOptions().dtype(at::kFloat).device(where);
+  const at::Tensor a = at::randn({n, n}, options), b = at::randn({n, n}, options);
+  at::Tensor c = at::empty({n, n}, options);
+  // Waits for the device's queued work: item() copies a value back.
+  auto sync = [&] {
+    if (!where.is_cpu()) (void)c[0][0].item<float>();
+  };
+  at::mm_out(c, a, b);  // warm-up: threads started, pages touched, kernels chosen
+  sync();
+  // A GPU queues products asynchronously: time a batch of them between waits.
+  const int per_timing = where.is_cpu() ? 1 : 10;
   const auto begin = std::chrono::steady_clock::now();
   double best = 0;
   for (int runs = 0; runs < 1000; ++runs) {
     const auto start = std::chrono::steady_clock::now();
-    at::mm_out(c, a, b);
+    for (int i = 0; i < per_timing; ++i) at::mm_out(c, a, b);
+    sync();
     const double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
-    if (seconds > 0) best = std::max(best, 2.0 * static_cast<double>(n) * n * n / seconds);
+    if (seconds > 0) best = std::max(best, per_timing * 2.0 * static_cast<double>(n) * n * n / seconds);
     if (runs >= 3 && std::chrono::duration<double>(std::chrono::steady_clock::now() - begin).count() >= min_seconds) {
       break;
     }
   }
   return best;
+}
+
+double MeasureAgreedMatmulFlops(Communicator* communicator, const std::string& device) {
+  std::string peak = absl::StrFormat("%.17g", MeasureMatmulFlops(device));
+  if (communicator != nullptr && communicator->world_size() > 1) peak = BroadcastString(*communicator, peak);
+  double flops = 0;
+  if (!absl::SimpleAtod(peak, &flops)) throw Error("MeasureAgreedMatmulFlops: rank 0 sent '" + peak + "'");
+  return flops;
 }
 
 }  // namespace lockstep

@@ -1,5 +1,7 @@
 #include "lockstep/trainer.h"
 
+#include <algorithm>
+#include <chrono>
 #include <string>
 #include <utility>
 
@@ -58,6 +60,15 @@ MetricsManager& BaseTrainer::metrics_manager(const std::string& task) {
     options.collective = collective_;
     if (runtime_.is_chief()) options.writer = writer_;
     options.derive = [this](const std::string& name, MetricMap& metrics) {
+      if (name == "train") {
+        auto per_step = metrics.find(kSecondsPerStep);
+        if (data_wait_steps_ > 0 && per_step != metrics.end() && per_step->second > 0) {
+          metrics[kDataWaitFraction] =
+              std::min(1.0, data_wait_seconds_ / static_cast<double>(data_wait_steps_) / per_step->second);
+        }
+        data_wait_seconds_ = 0;
+        data_wait_steps_ = 0;
+      }
       for (const DeriveMetricsFn& derive : derivers_) derive(name, metrics);
     };
     manager = std::make_unique<MetricsManager>(std::move(options));
@@ -118,8 +129,11 @@ MetricMap BaseTrainer::Train(BatchIterator& data, int64_t num_steps, std::option
     Emit(summary);
   };
   for (int64_t i = 0; i < num_steps && !halt_.halt; ++i) {
+    const auto wait_start = std::chrono::steady_clock::now();
     std::optional<Batch> batch = data.Next();
     if (!batch) break;
+    data_wait_seconds_ += std::chrono::duration<double>(std::chrono::steady_clock::now() - wait_start).count();
+    ++data_wait_steps_;
     const int64_t before = state_.step;
     period.AddStep(TrainStep(*batch));
     if (state_.step != before + 1) {

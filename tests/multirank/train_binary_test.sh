@@ -15,7 +15,7 @@ set_flags+=",data.global_batch_size=32,data.synthetic_train_examples=200,data.sy
 set_flags+=",num_microbatches=2,max_grad_norm=1,schedule.decay=COSINE,schedule.warmup_steps=5"
 
 # Summary lines, values rounded to 6 decimals (summation order differs across ranks).
-summaries() { grep -E '^Step +[0-9]+: ' "$1" | grep -v -E 'seconds_per_step|examples_per_second|steps_per_second' |
+summaries() { grep -E '^Step +[0-9]+: ' "$1" | grep -v -E 'seconds_per_step|examples_per_second|steps_per_second|data_wait_fraction' |
               awk -F'|' '{ printf "%s| %.6f\n", $1, $2 }'; }
 
 "$train" --set="$set_flags,output_dir=$work/one" > "$work/one.log" 2>&1

@@ -23,7 +23,7 @@ total=400
 run() {  # run OUTPUT_DIR STEPS LOG
   "${mpirun[@]}" -np 2 "$train" --set="$flags,num_train_steps=$2,output_dir=$1" > "$3" 2>&1
 }
-lines() { cat "$@" | grep -E '^Step +[0-9]+: ' | grep -v -E 'seconds_per_step|examples_per_second|steps_per_second'; }
+lines() { cat "$@" | grep -E '^Step +[0-9]+: ' | grep -v -E 'seconds_per_step|examples_per_second|steps_per_second|data_wait_fraction'; }
 same_state() {  # same_state DIR_A DIR_B STEP: both ranks' shards equal, model and optimizer and RNG
   "$python" "$source_dir/tests/system/compare_checkpoints.py" "$1/checkpoints/step_$(printf %08d "$3")" \
     "$2/checkpoints/step_$(printf %08d "$3")"

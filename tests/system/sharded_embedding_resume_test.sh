@@ -23,7 +23,7 @@ steps=400
 # --check drifts by float rounding over many steps; the test compares its figures between runs exactly.
 flags=(--steps=$steps --summary_every_steps=20 --eval_every_steps=100 --checkpoint_every_steps=60 --check
        --check_tolerance=1e-2)
-lines() { cat "$@" | grep -E '^Step +[0-9]+: ' | grep -v -E 'seconds_per_step|examples_per_second|steps_per_second'; }
+lines() { cat "$@" | grep -E '^Step +[0-9]+: ' | grep -v -E 'seconds_per_step|examples_per_second|steps_per_second|data_wait_fraction'; }
 
 "${mpirun[@]}" -np 2 "$program" "${flags[@]}" --checkpoint_dir="$work/straight" > "$work/straight.log" 2>&1 ||
   { cat "$work/straight.log"; fail "straight run"; }

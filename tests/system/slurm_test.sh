@@ -203,7 +203,7 @@ wait_done() {
     sleep 0.5
   done
 }
-lines() { cat "$@" | grep -E '^Step +[0-9]+: ' | grep -v -E 'seconds_per_step|examples_per_second|steps_per_second'; }
+lines() { cat "$@" | grep -E '^Step +[0-9]+: ' | grep -v -E 'seconds_per_step|examples_per_second|steps_per_second|data_wait_fraction'; }
 
 # A failing program: its exit code is the job's, and the job is not requeued.
 job_f=$(sbatch --parsable --job-name=lockstep_fail --ntasks=2 --output="$work/jobs/fail.out" \

@@ -6,7 +6,11 @@
 
 #include <chrono>
 #include <thread>
+#include <optional>
 #include <vector>
+
+#include "absl/time/clock.h"
+#include "absl/time/time.h"
 
 #include "lockstep/errors.h"
 #include "lockstep/metrics.h"
@@ -82,6 +86,58 @@ TEST(BaseTrainerTest, RunsTheSubclassStepAndEmitsSummaries) {
   // Continues from the caller's state.
   trainer.Train(data, 2);
   EXPECT_EQ(state.step, 15);
+}
+
+// An iterator that takes its time: each Next() sleeps before handing on a batch.
+class SlowIterator : public BatchIterator {
+ public:
+  SlowIterator(BatchIterator& inner, absl::Duration delay) : inner_(inner), delay_(delay) {}
+  std::optional<Batch> Next() override {
+    absl::SleepFor(delay_);
+    return inner_.Next();
+  }
+
+ private:
+  BatchIterator& inner_;
+  absl::Duration delay_;
+};
+
+TEST(BaseTrainerTest, SummariesReportTheShareOfStepTimeSpentWaitingForData) {
+  TrainState state;
+  CountingTrainer trainer(state, Runtime::SingleProcess());
+  trainer.set_summary_every_steps(4);
+  std::vector<Summary> summaries;
+  trainer.AddSummarySink([&](const Summary& s) { summaries.push_back(s); });
+  ShardedBatchIterator fast(TinyDataset(100), Sharding(10));
+  SlowIterator slow(fast, absl::Milliseconds(20));
+  // The step itself takes microseconds: nearly all of the period is the wait.
+  trainer.Train(slow, 8);
+  ASSERT_EQ(summaries.size(), 2u);
+  for (const Summary& s : summaries) {
+    ASSERT_TRUE(s.metrics.count(kDataWaitFraction)) << "step " << s.step;
+    EXPECT_GT(s.metrics.at(kDataWaitFraction), 0.5) << "step " << s.step;
+    EXPECT_LE(s.metrics.at(kDataWaitFraction), 1.0) << "step " << s.step;
+  }
+  // The next period counts only its own waits: an in-memory iterator waits for nothing
+  // measurable next to a step that sleeps.
+  class SleepyTrainer : public CountingTrainer {
+   public:
+    using CountingTrainer::CountingTrainer;
+
+   protected:
+    MetricMap TrainStep(const Batch& batch) override {
+      absl::SleepFor(absl::Milliseconds(20));
+      return CountingTrainer::TrainStep(batch);
+    }
+  };
+  TrainState sleepy_state;
+  SleepyTrainer sleepy(sleepy_state, Runtime::SingleProcess());
+  sleepy.set_summary_every_steps(4);
+  summaries.clear();
+  sleepy.AddSummarySink([&](const Summary& s) { summaries.push_back(s); });
+  sleepy.Train(fast, 4);
+  ASSERT_EQ(summaries.size(), 1u);
+  EXPECT_LT(summaries[0].metrics.at(kDataWaitFraction), 0.5);
 }
 
 TEST(BaseTrainerTest, StopsWhenTheDataRunsOut) {
