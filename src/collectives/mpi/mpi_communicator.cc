@@ -702,41 +702,54 @@ class MpiCommunicator final : public Communicator {
     return true;
   }
 
-  // Worker thread.
-  bool StagingAllGather(const at::Tensor& output, const at::Tensor& input, Clock::time_point deadline) {
+  // Worker thread. The opening both staged collectives share: this rank's input
+  // copied into its staging segment, then a barrier, after which every rank's
+  // input is readable in staging_->maps. Returns the contiguous input (whose
+  // storage an in-place all-gather compares with the output), or an undefined
+  // tensor when shared memory is unavailable (the caller takes the MPI path; the
+  // same on every rank).
+  at::Tensor StageInput(const at::Tensor& input, Clock::time_point deadline) {
     const size_t bytes = input.numel() * input.element_size();
-    if (!EnsureStaging(bytes, deadline)) return false;
-    const at::Tensor in = input.contiguous();
+    if (!EnsureStaging(bytes, deadline)) return {};
+    at::Tensor in = input.contiguous();
     // The previous collective ended with a barrier: no rank still reads this one's staging.
     std::memcpy(staging_->maps[rank_], in.data_ptr(), bytes);
     std::atomic_thread_fence(std::memory_order_seq_cst);
     BarrierNow(deadline);
+    return in;
+  }
+
+  // Worker thread. The closing: every rank has read what it needs before any rank
+  // writes its staging again.
+  void EndStaged(Clock::time_point deadline) {
+    std::atomic_thread_fence(std::memory_order_seq_cst);
+    BarrierNow(deadline);
+  }
+
+  // Worker thread.
+  bool StagingAllGather(const at::Tensor& output, const at::Tensor& input, Clock::time_point deadline) {
+    const at::Tensor in = StageInput(input, deadline);
+    if (!in.defined()) return false;
+    const size_t bytes = input.numel() * input.element_size();
     char* out = static_cast<char*>(output.data_ptr());
     for (int r = 0; r < world_size_; ++r) {
       if (r != rank_ || out + r * bytes != in.data_ptr()) std::memcpy(out + r * bytes, staging_->maps[r], bytes);
     }
-    std::atomic_thread_fence(std::memory_order_seq_cst);
-    BarrierNow(deadline);  // read by all before any rank writes its staging again
+    EndStaged(deadline);
     return true;
   }
 
   // Worker thread.
   bool StagingReduceScatter(const at::Tensor& output, const at::Tensor& input, bool average,
                             Clock::time_point deadline) {
-    const size_t bytes = input.numel() * input.element_size();
-    if (!EnsureStaging(bytes, deadline)) return false;
-    const at::Tensor in = input.contiguous();
-    std::memcpy(staging_->maps[rank_], in.data_ptr(), bytes);
-    std::atomic_thread_fence(std::memory_order_seq_cst);
-    BarrierNow(deadline);
+    if (!StageInput(input, deadline).defined()) return false;
     const int64_t n = output.numel();
     if (input.scalar_type() == at::kFloat) {
       ReduceSliceInto<float>(staging_->maps, rank_ * n, (rank_ + 1) * n, average, output.data_ptr<float>());
     } else {
       ReduceSliceInto<double>(staging_->maps, rank_ * n, (rank_ + 1) * n, average, output.data_ptr<double>());
     }
-    std::atomic_thread_fence(std::memory_order_seq_cst);
-    BarrierNow(deadline);
+    EndStaged(deadline);
     return true;
   }
 
