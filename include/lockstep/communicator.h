@@ -92,6 +92,19 @@ class Communicator {
   virtual at::Tensor AllocateCollectiveBuffer(int64_t numel, const at::TensorOptions& options,
                                               const CollectiveOptions& collective = {});
 
+  // Splits the ranks into disjoint groups, as MPI_Comm_split does: the ranks that
+  // pass the same `color` (>= 0) form one group, ordered by `key`, then by rank
+  // here. A collective over this communicator (every rank calls it, in the same
+  // order as its other collectives). The result is a communicator of its own,
+  // independent of this one, that may be called from another thread than this one
+  // (the data axis of a mesh during backward, the model axis in forward). A group
+  // of one rank is a single-process communicator; a group that is this whole
+  // communicator in the same order forwards to it (it must outlive the result).
+  // Other groups are the backend's (SplitGroup). Errors: InvalidArgumentError for
+  // a negative color, a backend that cannot split, or MPI without
+  // MPI_THREAD_MULTIPLE; CollectiveError as for the other collectives.
+  std::unique_ptr<Communicator> Split(int color, int key, const CollectiveOptions& options = {});
+
   // Safe from any thread (the coordination client's, when a peer died): the
   // collective in progress, or the next one, fails with a CollectiveError that
   // carries `reason`, and the communicator is broken. The first reason wins.
@@ -110,6 +123,12 @@ class Communicator {
     BroadcastAsync(std::move(tensor), root, options)->Wait();
   }
   void Barrier(const CollectiveOptions& options = {}) { BarrierAsync(options)->Wait(); }
+
+ protected:
+  // A group of more than one rank and fewer than all (see Split); called on every
+  // rank, after Split has agreed on the groups. Default: InvalidArgumentError
+  // naming backend().
+  virtual std::unique_ptr<Communicator> SplitGroup(int color, int key, const CollectiveOptions& options);
 };
 
 // A world of one: every collective completes at once (all-gather and

@@ -48,10 +48,16 @@ struct MpiOptions {
   // AllocateCollectiveBuffer in shared memory when every rank is on one host
   // (see above); false: plain tensors, every all-reduce through MPI.
   bool shared_memory_buffers = true;
+  // Initialise MPI with MPI_THREAD_MULTIPLE rather than MPI_THREAD_SERIALIZED.
+  // Split into groups smaller than the world needs it: each such group is a
+  // communicator with a worker thread of its own, and the workers call MPI at
+  // once. Read by the first communicator of the process, which initialises MPI.
+  bool thread_multiple = false;
 };
 
 // A communicator over a duplicate of MPI_COMM_WORLD. Throws CollectiveError when
-// MPI cannot be initialised with at least MPI_THREAD_SERIALIZED.
+// MPI cannot be initialised with at least MPI_THREAD_SERIALIZED. Split groups
+// (MPI_Comm_split) have the same options; they need MPI_THREAD_MULTIPLE.
 std::unique_ptr<Communicator> MakeMpiCommunicator(const MpiOptions& options = {});
 
 }  // namespace lockstep

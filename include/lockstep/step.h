@@ -19,6 +19,7 @@
 #include <map>
 #include <optional>
 #include <string>
+#include <vector>
 
 #include "lockstep/data.h"
 #include "lockstep/errors.h"
@@ -51,6 +52,7 @@ ApplyFn ForwardOf() {
   };
 }
 
+class Communicator;
 class DataParallel;
 class ShardedDataParallel;
 
@@ -72,6 +74,13 @@ struct StepOptions {
   // and clipping over all slices, the optimizer on this rank's slices and the
   // parameters all-gathered. At most one of the two. Not owned.
   ShardedDataParallel* sharded = nullptr;
+  // Tensor parallelism (tensor_parallel.h): the parameters flagged in
+  // `split_over_model` (one flag per state.model->parameters(), in order) are
+  // shards over this model axis. The gradient and weight norms, and clipping, then
+  // sum the squares of the split parameters over the axis and count the
+  // replicated ones once: the norms of the whole model. Null: no model axis.
+  Communicator* model_axis = nullptr;
+  std::vector<bool> split_over_model;
   // Also report, per parameter tensor, "weights/<name>/rms", "weights/<name>/max"
   // (largest magnitude) and "weights/<name>/update_ratio" (||update|| / ||before||).
   // Costs a copy of the parameters per step.

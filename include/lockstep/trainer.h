@@ -32,6 +32,7 @@
 #include "lockstep/communicator.h"
 #include "lockstep/data.h"
 #include "lockstep/data_parallel.h"
+#include "lockstep/mesh.h"
 #include "lockstep/metrics.h"
 #include "lockstep/metrics_manager.h"
 #include "lockstep/runtime.h"
@@ -183,6 +184,16 @@ struct TrainerOptions {
   PartitioningStrategy partitioning = PartitioningStrategy::kReplicated;
   // What else must agree across ranks (the resolved config, say); checked at start.
   std::string fingerprint;
+  // A data x model mesh (mesh.h), for a model that splits itself over
+  // mesh->model() (tensor_parallel.h). Data parallelism then runs over
+  // mesh->data(), metrics and halting decisions over mesh->world() (the model-axis
+  // replicas of a metric count once), and `communicator` must be null or
+  // mesh->world(). `parameter_layouts` (the partitioner's, by parameter name)
+  // says which parameters are model-axis shards, for the norms and clipping.
+  // Replicated data parallelism only, so far: a sharded strategy with a model
+  // axis of more than one rank is an InvalidArgumentError. Not owned.
+  const DeviceMesh* mesh = nullptr;
+  std::vector<ParameterLayout> parameter_layouts;
 };
 
 // The default trainer. Components are replaceable: any module with an ApplyFn, any
@@ -210,6 +221,8 @@ class Trainer : public BaseTrainer {
   TrainerOptions options_;
   std::unique_ptr<DataParallel> data_parallel_;
   std::unique_ptr<ShardedDataParallel> sharded_;
+  // A model-axis replica (mesh model index > 0): its metrics carry no weight.
+  bool model_replica_ = false;
 };
 
 }  // namespace lockstep

@@ -2,7 +2,10 @@
 
 #include <ATen/ATen.h>
 
+#include <algorithm>
 #include <string>
+#include <utility>
+#include <vector>
 
 #include "absl/synchronization/mutex.h"
 
@@ -68,7 +71,67 @@ class SingleProcessCommunicator final : public Communicator {
   static std::shared_ptr<Work> Done() { return std::make_shared<CompletedWork>(); }
 };
 
+// A group that is the whole parent, in the parent's order: every call forwards.
+class AliasCommunicator final : public Communicator {
+ public:
+  explicit AliasCommunicator(Communicator* parent) : parent_(parent) {}
+  int rank() const override { return parent_->rank(); }
+  int world_size() const override { return parent_->world_size(); }
+  std::string backend() const override { return parent_->backend(); }
+  std::shared_ptr<Work> AllReduceAsync(at::Tensor tensor, ReduceOp op, const CollectiveOptions& options) override {
+    return parent_->AllReduceAsync(std::move(tensor), op, options);
+  }
+  std::shared_ptr<Work> AllGatherAsync(at::Tensor output, at::Tensor input, const CollectiveOptions& options) override {
+    return parent_->AllGatherAsync(std::move(output), std::move(input), options);
+  }
+  std::shared_ptr<Work> ReduceScatterAsync(at::Tensor output, at::Tensor input, ReduceOp op,
+                                           const CollectiveOptions& options) override {
+    return parent_->ReduceScatterAsync(std::move(output), std::move(input), op, options);
+  }
+  std::shared_ptr<Work> BroadcastAsync(at::Tensor tensor, int root, const CollectiveOptions& options) override {
+    return parent_->BroadcastAsync(std::move(tensor), root, options);
+  }
+  std::shared_ptr<Work> BarrierAsync(const CollectiveOptions& options) override { return parent_->BarrierAsync(options); }
+  at::Tensor AllocateCollectiveBuffer(int64_t numel, const at::TensorOptions& options,
+                                      const CollectiveOptions& collective) override {
+    return parent_->AllocateCollectiveBuffer(numel, options, collective);
+  }
+  void Abort(const std::string& reason) override { parent_->Abort(reason); }
+
+ protected:
+  std::unique_ptr<Communicator> SplitGroup(int color, int key, const CollectiveOptions& options) override {
+    return parent_->Split(color, key, options);
+  }
+
+ private:
+  Communicator* const parent_;
+};
+
 }  // namespace
+
+std::unique_ptr<Communicator> Communicator::Split(int color, int key, const CollectiveOptions& options) {
+  if (color < 0) throw InvalidArgumentError("split: color must be >= 0, got " + std::to_string(color));
+  const int n = world_size();
+  at::Tensor mine = at::tensor({static_cast<int64_t>(color), static_cast<int64_t>(key)}, at::kLong);
+  at::Tensor all = at::empty({2 * n}, at::kLong);
+  AllGather(all, mine, options);
+  // The members of this rank's group, in (key, rank) order.
+  std::vector<std::pair<int64_t, int>> members;
+  const int64_t* values = all.data_ptr<int64_t>();
+  for (int r = 0; r < n; ++r) {
+    if (values[2 * r] == color) members.emplace_back(values[2 * r + 1], r);
+  }
+  std::sort(members.begin(), members.end());
+  if (members.size() == 1) return MakeSingleProcessCommunicator();
+  bool whole = static_cast<int>(members.size()) == n;
+  for (int i = 0; whole && i < n; ++i) whole = members[i].second == i;
+  if (whole) return std::make_unique<AliasCommunicator>(this);
+  return SplitGroup(color, key, options);
+}
+
+std::unique_ptr<Communicator> Communicator::SplitGroup(int, int, const CollectiveOptions&) {
+  throw InvalidArgumentError("split: the " + backend() + " communicator cannot split into groups");
+}
 
 at::Tensor Communicator::AllocateCollectiveBuffer(int64_t numel, const at::TensorOptions& options,
                                                   const CollectiveOptions&) {

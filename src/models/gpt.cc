@@ -11,6 +11,7 @@
 #include "absl/strings/str_cat.h"
 #include "lockstep/communicator.h"
 #include "lockstep/errors.h"
+#include "lockstep/tensor_parallel.h"
 #include "lockstep/torch_setup.h"
 
 namespace lockstep {
@@ -59,7 +60,13 @@ double GptTrainingFlopsPerToken(const GptOptions& o, int64_t sequence_length) {
                      static_cast<double>(sequence_length);
 }
 
-GptBlockImpl::GptBlockImpl(const GptOptions& o) : num_heads_(o.num_heads), dropout_(o.dropout) {
+GptBlockImpl::GptBlockImpl(const GptOptions& o, const GptParallelism& parallel)
+    : num_heads_(o.num_heads), dropout_(o.dropout) {
+  if (parallel.Splits("heads")) {
+    heads_axis_ = parallel.model;
+    num_heads_ = o.num_heads / parallel.model->world_size();
+  }
+  if (parallel.Splits("mlp")) mlp_axis_ = parallel.model;
   ln1_ = register_module("ln1", MakeLayerNorm(o.width));
   qkv_ = register_module("qkv", torch::nn::Linear(o.width, 3 * o.width));
   attn_proj_ = register_module("attn_proj", torch::nn::Linear(o.width, o.width));
@@ -74,11 +81,15 @@ GptBlockImpl::GptBlockImpl(const GptOptions& o) : num_heads_(o.num_heads), dropo
 }
 
 at::Tensor GptBlockImpl::forward(const at::Tensor& x) {
-  const int64_t batch = x.size(0), length = x.size(1), width = x.size(2);
+  const int64_t batch = x.size(0), length = x.size(1);
+  // This rank's heads: all of them, or num_heads / M when the model axis splits them.
+  const int64_t width = qkv_->weight.size(0) / 3;
   const int64_t head = width / num_heads_;
   const bool train = is_training() && dropout_ > 0;
-  // Attention: [B, T, 3W] -> q, k, v as [B, H, T, head].
-  const std::vector<at::Tensor> qkv = qkv_->forward(ln1_->forward(x)).split(width, 2);
+  // Attention: [B, T, 3W] -> q, k, v as [B, H, T, head]. Without a model axis the
+  // parallel linears are plain at::linear.
+  const std::vector<at::Tensor> qkv =
+      ColumnParallelLinear(ln1_->forward(x), qkv_->weight, qkv_->bias, heads_axis_).split(width, 2);
   auto heads = [&](const at::Tensor& t) { return t.view({batch, length, num_heads_, head}).transpose(1, 2); };
   const at::Tensor q = heads(qkv[0]), k = heads(qkv[1]), v = heads(qkv[2]);
   at::Tensor scores = at::matmul(q, k.transpose(-2, -1)) * (1.0 / std::sqrt(static_cast<double>(head)));
@@ -87,21 +98,101 @@ at::Tensor GptBlockImpl::forward(const at::Tensor& x) {
   at::Tensor weights = at::softmax(scores, -1);
   weights = at::dropout(weights, dropout_, train);
   const at::Tensor attended = at::matmul(weights, v).transpose(1, 2).contiguous().view({batch, length, width});
-  at::Tensor h = x + at::dropout(attn_proj_->forward(attended), dropout_, train);
-  const at::Tensor up = at::gelu(mlp_up_->forward(ln2_->forward(h)));
-  return h + at::dropout(mlp_down_->forward(up), dropout_, train);
+  at::Tensor h = x + at::dropout(RowParallelLinear(attended, attn_proj_->weight, attn_proj_->bias, heads_axis_),
+                                 dropout_, train);
+  const at::Tensor up = at::gelu(ColumnParallelLinear(ln2_->forward(h), mlp_up_->weight, mlp_up_->bias, mlp_axis_));
+  return h + at::dropout(RowParallelLinear(up, mlp_down_->weight, mlp_down_->bias, mlp_axis_), dropout_, train);
 }
 
-GptImpl::GptImpl(const GptOptions& o) : options_(o) {
+LogicalAxes GptLogicalAxes(const std::string& name, int* blocks) {
+  if (blocks != nullptr) *blocks = 1;
+  auto ends_with = [&](const std::string& suffix) {
+    return name.size() >= suffix.size() && name.compare(name.size() - suffix.size(), suffix.size(), suffix) == 0;
+  };
+  if (name == "wte.weight") return {"vocab", "embed"};
+  if (name == "wpe.weight") return {"length", "embed"};
+  if (name.rfind("ln_f.", 0) == 0) return {"embed"};
+  if (name.rfind("blocks.", 0) == 0) {
+    if (ends_with("qkv.weight") || ends_with("qkv.bias")) {
+      if (blocks != nullptr) *blocks = 3;
+      return ends_with(".weight") ? LogicalAxes{"heads", "embed"} : LogicalAxes{"heads"};
+    }
+    if (ends_with("attn_proj.weight")) return {"embed", "heads"};
+    if (ends_with("mlp_up.weight")) return {"mlp", "embed"};
+    if (ends_with("mlp_up.bias")) return {"mlp"};
+    if (ends_with("mlp_down.weight")) return {"embed", "mlp"};
+    if (ends_with(".bias") || ends_with("ln1.weight") || ends_with("ln2.weight")) return {"embed"};
+  }
+  throw InvalidArgumentError("gpt: no parameter named '" + name + "'");
+}
+
+std::vector<ParameterLayout> GptParameterLayouts(const GptOptions& o, const Partitioner& partitioner) {
   CheckGptOptions(o);
+  const int parts = partitioner.shape().model;
+  if (partitioner.Splits("heads") && o.num_heads % parts != 0) {
+    throw InvalidArgumentError(absl::StrCat("parameter 'blocks.0.qkv.weight': ", o.num_heads,
+                                            " heads do not divide over the model axis of ", parts, " ranks"));
+  }
+  const int64_t w = o.width;
+  std::vector<std::pair<std::string, std::vector<int64_t>>> shapes = {{"wte.weight", {o.vocab_size, w}},
+                                                                      {"wpe.weight", {o.context_length, w}}};
+  for (int64_t i = 0; i < o.num_layers; ++i) {
+    const std::string b = absl::StrCat("blocks.", i, ".");
+    for (const auto& [name, shape] : std::vector<std::pair<std::string, std::vector<int64_t>>>{
+             {"ln1.weight", {w}}, {"ln1.bias", {w}}, {"qkv.weight", {3 * w, w}}, {"qkv.bias", {3 * w}},
+             {"attn_proj.weight", {w, w}}, {"attn_proj.bias", {w}}, {"ln2.weight", {w}}, {"ln2.bias", {w}},
+             {"mlp_up.weight", {4 * w, w}}, {"mlp_up.bias", {4 * w}}, {"mlp_down.weight", {w, 4 * w}},
+             {"mlp_down.bias", {w}}}) {
+      shapes.emplace_back(b + name, shape);
+    }
+  }
+  shapes.emplace_back("ln_f.weight", std::vector<int64_t>{w});
+  shapes.emplace_back("ln_f.bias", std::vector<int64_t>{w});
+  std::vector<ParameterLayout> layouts;
+  for (const auto& [name, shape] : shapes) {
+    int blocks = 1;
+    const LogicalAxes axes = GptLogicalAxes(name, &blocks);
+    layouts.push_back(partitioner.Layout(name, shape, axes, /*element_size=*/4, blocks));
+  }
+  return layouts;
+}
+
+GptImpl::GptImpl(const GptOptions& o, const GptParallelism& parallel) : options_(o) {
+  CheckGptOptions(o);
+  const bool split = parallel.Splits("heads") || parallel.Splits("mlp") || parallel.Splits("vocab");
+  if (split && o.dropout > 0) {
+    throw InvalidArgumentError(absl::StrCat("model 'gpt': dropout (", o.dropout,
+                                            ") with tensor parallelism is not supported; set dropout to 0"));
+  }
+  // Checked before any parameter is made, so a layout error names its parameter.
+  if (parallel.partitioner != nullptr) layouts_ = GptParameterLayouts(o, *parallel.partitioner);
   wte_ = register_module("wte", torch::nn::Embedding(o.vocab_size, o.width));
   wpe_ = register_module("wpe", torch::nn::Embedding(o.context_length, o.width));
   blocks_ = register_module("blocks", torch::nn::ModuleList());
-  for (int64_t i = 0; i < o.num_layers; ++i) blocks_->push_back(GptBlock(o));
+  for (int64_t i = 0; i < o.num_layers; ++i) blocks_->push_back(GptBlock(o, parallel));
   ln_f_ = register_module("ln_f", MakeLayerNorm(o.width));
   at::NoGradGuard no_grad;
   torch::nn::init::normal_(wte_->weight, 0.0, 0.02);
   torch::nn::init::normal_(wpe_->weight, 0.0, 0.02);
+  if (layouts_.empty()) {
+    layouts_ = GptParameterLayouts(o, Partitioner({}, MeshShape{}));
+    return;
+  }
+  // Keep this rank's shards of the parameters drawn in full above.
+  for (auto& item : named_parameters()) {
+    const ParameterLayout* layout = nullptr;
+    for (const ParameterLayout& l : layouts_) {
+      if (l.name == item.key()) layout = &l;
+    }
+    if (layout == nullptr) throw Error("gpt: no layout for parameter '" + item.key() + "'");
+    if (layout->sharded() && parallel.model != nullptr) {
+      item.value().set_data(ShardOf(item.value(), *layout, parallel.model_index));
+    }
+  }
+  if (parallel.Splits("vocab")) {
+    vocab_axis_ = parallel.model;
+    vocab_begin_ = o.vocab_size / parallel.model->world_size() * parallel.model_index;
+  }
 }
 
 at::Tensor GptImpl::forward(const at::Tensor& tokens) {
@@ -115,10 +206,12 @@ at::Tensor GptImpl::forward(const at::Tensor& tokens) {
                                             options_.context_length, ")"));
   }
   const bool train = is_training() && options_.dropout > 0;
-  at::Tensor x = wte_->forward(tokens) + wpe_->forward(at::arange(length, tokens.options()));
+  at::Tensor x = VocabParallelEmbedding(tokens, wte_->weight, vocab_begin_, vocab_axis_) +
+                 wpe_->forward(at::arange(length, tokens.options()));
   x = at::dropout(x, options_.dropout, train);
   for (const auto& block : *blocks_) x = block->as<GptBlockImpl>()->forward(x);
-  return at::linear(ln_f_->forward(x), wte_->weight);
+  // The head is tied to the embedding: with a split vocabulary, this rank's columns.
+  return at::linear(CopyToModelParallel(ln_f_->forward(x), vocab_axis_), wte_->weight);
 }
 
 DeriveMetricsFn LanguageModelMetrics(const GptOptions& options, int64_t sequence_length, int world_size,
@@ -145,16 +238,16 @@ double AddLanguageModelMetrics(BaseTrainer& trainer, const GptOptions& options, 
   return peak;
 }
 
-LossFn LanguageModelLoss() {
-  return [](const at::Tensor& outputs, const at::Tensor& targets) {
+LossFn LanguageModelLoss(Communicator* vocab_axis, int64_t vocab_begin) {
+  return [vocab_axis, vocab_begin](const at::Tensor& outputs, const at::Tensor& targets) {
     if (outputs.dim() != 3 || targets.dim() != 2 || outputs.size(0) != targets.size(0) ||
         outputs.size(1) != targets.size(1)) {
       throw InvalidArgumentError(absl::StrCat("LanguageModelLoss: logits ", c10::str(outputs.sizes()),
                                               " do not match targets ", c10::str(targets.sizes())));
     }
     const int64_t batch = outputs.size(0), length = outputs.size(1);
-    const at::Tensor per_token = at::cross_entropy_loss(outputs.reshape({batch * length, outputs.size(2)}),
-                                                        targets.reshape({batch * length}), {}, at::Reduction::None);
+    const at::Tensor per_token = VocabParallelCrossEntropy(outputs.reshape({batch * length, outputs.size(2)}),
+                                                           targets.reshape({batch * length}), vocab_begin, vocab_axis);
     return per_token.view({batch, length}).mean(1);
   };
 }

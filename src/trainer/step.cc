@@ -7,6 +7,7 @@
 #include <cmath>
 #include <string>
 
+#include "lockstep/communicator.h"
 #include "lockstep/data_parallel.h"
 #include "lockstep/sharded_data_parallel.h"
 #include "lockstep/errors.h"
@@ -68,6 +69,20 @@ double GlobalL2Norm(const std::vector<at::Tensor>& tensors) {
   norms.reserve(tensors.size());
   for (const at::Tensor& t : tensors) norms.push_back(t.detach().norm(2).to(at::kDouble));
   return at::stack(norms).norm(2).item<double>();
+}
+
+// The L2 norm of tensors of which those flagged are shards over `model_axis`:
+// their squares summed over the axis, the others' counted once.
+double MeshL2Norm(const std::vector<at::Tensor>& tensors, const std::vector<bool>& split, Communicator* model_axis) {
+  at::Tensor squares = at::zeros({2}, at::kDouble);  // [split, replicated]
+  for (size_t i = 0; i < tensors.size(); ++i) {
+    if (!tensors[i].defined()) continue;
+    const at::Tensor sq = tensors[i].detach().to(at::kDouble).pow(2).sum().cpu();
+    squares[split[i] ? 0 : 1] += sq;
+  }
+  at::Tensor split_squares = squares.narrow(0, 0, 1).contiguous();
+  model_axis->AllReduce(split_squares, ReduceOp::kSum);
+  return std::sqrt(split_squares.item<double>() + squares[1].item<double>());
 }
 
 MetricMap RunTrainStep(TrainState& state, const Batch& host_batch, const ApplyFn& apply, const LossFn& loss,
@@ -167,10 +182,29 @@ MetricMap RunTrainStep(TrainState& state, const Batch& host_batch, const ApplyFn
   double grad_norm = 0.0;
   double weights_norm = -1.0;  // computed below unless the sharded step reports it
   const bool clipped = options.max_grad_norm > 0;
-  // An optimizer that sums squares in its own step saves two passes for the norms.
-  const auto* sgd = sharded != nullptr ? nullptr : dynamic_cast<const ReportsStepSquares*>(&optimizer);
+  Communicator* const model_axis =
+      options.model_axis != nullptr && options.model_axis->world_size() > 1 ? options.model_axis : nullptr;
+  if (model_axis != nullptr && options.split_over_model.size() != params.size()) {
+    throw InvalidArgumentError("train step: split_over_model has " + std::to_string(options.split_over_model.size()) +
+                               " flags for " + std::to_string(params.size()) + " parameters");
+  }
+  // An optimizer that sums squares in its own step saves two passes for the norms
+  // (of this rank's tensors alone: not with a model axis).
+  const auto* sgd = sharded != nullptr || model_axis != nullptr
+                        ? nullptr
+                        : dynamic_cast<const ReportsStepSquares*>(&optimizer);
   if (sharded != nullptr) {
     // The norm, clipping and update are the sharded layer's (over all slices).
+  } else if (model_axis != nullptr) {
+    grad_norm = MeshL2Norm(Gradients(params), options.split_over_model, model_axis);
+    // As clip_grad_norm_ does, over the whole model's norm.
+    const double coefficient = options.max_grad_norm / (grad_norm + 1e-6);
+    if (clipped && coefficient < 1) {
+      at::NoGradGuard no_grad;
+      for (const at::Tensor& p : params) {
+        if (p.grad().defined()) p.grad().mul_(coefficient);
+      }
+    }
   } else if (clipped) {
     grad_norm = torch::nn::utils::clip_grad_norm_(params, options.max_grad_norm);
   } else if (sgd == nullptr) {
@@ -211,6 +245,7 @@ MetricMap RunTrainStep(TrainState& state, const Batch& host_batch, const ApplyFn
   metrics[kLearningRate] = learning_rate;
   metrics[kGradientsL2Norm] = grad_norm;
   metrics[kWeightsL2Norm] = weights_norm >= 0 ? weights_norm
+                            : model_axis != nullptr ? MeshL2Norm(params, options.split_over_model, model_axis)
                             : one_pass_norms ? std::sqrt(sgd->last_step_squares().weights)
                                              : GlobalL2Norm(params);
   metrics[kNumExamples] = local_weight;

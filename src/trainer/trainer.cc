@@ -188,9 +188,37 @@ Trainer::Trainer(TrainState& state, ApplyFn apply, LossFn loss, TrainerOptions o
     if (caller) caller();
     BeforeUpdate();
   };
-  if (options_.communicator != nullptr && options_.communicator->world_size() > 1) {
+  // With a mesh: data parallelism over its data axis, metrics over the world.
+  Communicator* const world = options_.mesh != nullptr ? options_.mesh->world() : options_.communicator;
+  Communicator* const data_axis = options_.mesh != nullptr ? options_.mesh->data() : options_.communicator;
+  if (options_.mesh != nullptr) {
+    if (options_.communicator != nullptr && options_.communicator != options_.mesh->world()) {
+      throw InvalidArgumentError("Trainer: with a mesh, communicator must be null or the mesh's world");
+    }
+    Communicator* const model_axis = options_.mesh->model();
+    if (model_axis->world_size() > 1) {
+      if (options_.partitioning != PartitioningStrategy::kReplicated) {
+        throw InvalidArgumentError(
+            "Trainer: a sharded partitioning strategy with a model axis of more than one rank is not supported yet; "
+            "use partitioning.strategy 'replicated' with a mesh whose model axis is above 1");
+      }
+      std::map<std::string, bool> split;
+      for (const ParameterLayout& layout : options_.parameter_layouts) split[layout.name] = layout.sharded();
+      for (const auto& item : state.model->named_parameters()) {
+        auto it = split.find(item.key());
+        if (it == split.end()) {
+          throw InvalidArgumentError("Trainer: parameter_layouts has no layout for parameter '" + item.key() +
+                                     "' (a mesh with a model axis needs one for every parameter)");
+        }
+        options_.step.split_over_model.push_back(it->second);
+      }
+      options_.step.model_axis = model_axis;
+      model_replica_ = options_.mesh->model_index() > 0;
+    }
+  }
+  if (data_axis != nullptr && data_axis->world_size() > 1) {
     if (options_.partitioning == PartitioningStrategy::kReplicated) {
-      data_parallel_ = std::make_unique<DataParallel>(options_.communicator, *state.model, options_.fingerprint,
+      data_parallel_ = std::make_unique<DataParallel>(data_axis, *state.model, options_.fingerprint,
                                                       options_.data_parallel);
       options_.step.data_parallel = data_parallel_.get();
     } else {
@@ -203,20 +231,28 @@ Trainer::Trainer(TrainState& state, ApplyFn apply, LossFn loss, TrainerOptions o
       sharding.strategy = options_.partitioning;
       sharding.unit_bytes = options_.data_parallel.bucket_bytes;
       sharding.data_parallel = options_.data_parallel;
-      sharded_ = std::make_unique<ShardedDataParallel>(options_.communicator, *state.model, *state.optimizer,
+      sharded_ = std::make_unique<ShardedDataParallel>(data_axis, *state.model, *state.optimizer,
                                                        options_.fingerprint, sharding);
       options_.step.sharded = sharded_.get();
       state.layout = sharded_->layout();
     }
   }
-  set_communicator(options_.communicator, options_.data_parallel.collective);
+  set_communicator(world, options_.data_parallel.collective);
 }
 
-MetricMap Trainer::TrainStep(const Batch& batch) { return RunTrainStep(state(), batch, apply_, loss_, options_.step); }
+MetricMap Trainer::TrainStep(const Batch& batch) {
+  MetricMap metrics = RunTrainStep(state(), batch, apply_, loss_, options_.step);
+  // Every rank of a model-axis group computed the same values from the same
+  // examples: the group's first rank speaks for it.
+  if (model_replica_) metrics[kNumExamples] = 0;
+  return metrics;
+}
 
 MetricSums Trainer::EvalStep(const Batch& batch) {
   if (sharded_) sharded_->GatherForEval();  // fully sharded: the parameters are released between steps
-  return RunEvalStep(*state().model, batch, apply_, options_.eval_metrics);
+  MetricSums sums = RunEvalStep(*state().model, batch, apply_, options_.eval_metrics);
+  if (model_replica_) sums = MetricSums{};
+  return sums;
 }
 
 // "<length>:<bytes>" for the period, then for each action in order.

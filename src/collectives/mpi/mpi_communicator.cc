@@ -59,9 +59,12 @@ void FinalizeMpiAtExit() {
   if (!finalized && !mpi_failed.load()) MPI_Finalize();
 }
 
-void InitializeMpi() {
+// The thread level MPI gave (once initialised).
+std::atomic<int> mpi_thread_level{-1};
+
+void InitializeMpi(bool thread_multiple) {
   static std::once_flag once;
-  std::call_once(once, [] {
+  std::call_once(once, [thread_multiple] {
     int initialized = 0;
     LOCKSTEP_MPI_CHECK(MPI_Initialized(&initialized));
     int provided = 0;
@@ -76,7 +79,8 @@ void InitializeMpi() {
       // MPI_Init; a value the user set wins; other MPIs ignore them.
       setenv("OMPI_MCA_coll_libnbc_iallreduce_algorithm", "3", /*overwrite=*/0);
       setenv("OMPI_MCA_btl_vader_max_send_size", "131072", /*overwrite=*/0);
-      LOCKSTEP_MPI_CHECK(MPI_Init_thread(nullptr, nullptr, MPI_THREAD_SERIALIZED, &provided));
+      LOCKSTEP_MPI_CHECK(MPI_Init_thread(nullptr, nullptr, thread_multiple ? MPI_THREAD_MULTIPLE : MPI_THREAD_SERIALIZED,
+                                         &provided));
       std::atexit(FinalizeMpiAtExit);
     } else {
       LOCKSTEP_MPI_CHECK(MPI_Query_thread(&provided));
@@ -85,6 +89,7 @@ void InitializeMpi() {
       throw CollectiveError("MPI provides thread level " + std::to_string(provided) +
                             ", the MPI communicator needs MPI_THREAD_SERIALIZED");
     }
+    mpi_thread_level = provided;
   });
 }
 
@@ -231,8 +236,15 @@ class MpiCommunicator final : public Communicator {
     if (options_.chunk_bytes == 0 || options_.chunks_in_flight < 1) {
       throw InvalidArgumentError("MPI communicator: chunk_bytes and chunks_in_flight must be positive");
     }
-    InitializeMpi();
+    InitializeMpi(options_.thread_multiple);
     LOCKSTEP_MPI_CHECK(MPI_Comm_dup(MPI_COMM_WORLD, &comm_));
+    Start();
+  }
+
+  // A group that SplitGroup made: takes `comm`.
+  MpiCommunicator(const MpiOptions& options, MPI_Comm comm) : options_(options), comm_(comm) { Start(); }
+
+  void Start() {
     LOCKSTEP_MPI_CHECK(MPI_Comm_set_errhandler(comm_, MPI_ERRORS_RETURN));
     LOCKSTEP_MPI_CHECK(MPI_Comm_rank(comm_, &rank_));
     LOCKSTEP_MPI_CHECK(MPI_Comm_size(comm_, &world_size_));
@@ -491,6 +503,23 @@ class MpiCommunicator final : public Communicator {
         task.work->Finish(std::make_exception_ptr(CollectiveError(message)));
       }
     }
+  }
+
+  std::unique_ptr<Communicator> SplitGroup(int color, int key, const CollectiveOptions& options) override {
+    if (mpi_thread_level.load() < MPI_THREAD_MULTIPLE) {
+      throw InvalidArgumentError(absl::StrCat(
+          "split: rank ", rank_, " would run communicators of ", world_size_, " and fewer ranks side by side, which "
+          "needs MPI initialised with MPI_THREAD_MULTIPLE (MpiOptions::thread_multiple); MPI gave level ",
+          mpi_thread_level.load()));
+    }
+    MPI_Comm group = MPI_COMM_NULL;
+    // On the worker, behind this communicator's earlier collectives. The barrier
+    // first, with the deadline: MPI_Comm_split itself blocks without one.
+    Enqueue(absl::StrCat("split (color ", color, ")"), options, [this, &group, color, key](Clock::time_point deadline) {
+      BarrierNow(deadline);
+      LOCKSTEP_MPI_CHECK(MPI_Comm_split(comm_, color, key, &group));
+    })->Wait();
+    return std::make_unique<MpiCommunicator>(options_, group);
   }
 
   void Abort(const std::string& reason) override {

@@ -114,6 +114,14 @@ class NcclCommunicator final : public Communicator {
     LOCKSTEP_NCCL_CHECK(ncclCommInitRank(&comm_, world_size_, id, rank_));
   }
 
+  // A group that ncclCommSplit made from `parent`.
+  NcclCommunicator(int device, ncclComm_t comm) : device_(device), comm_(comm) {
+    LOCKSTEP_NCCL_CHECK(ncclCommUserRank(comm_, &rank_));
+    LOCKSTEP_NCCL_CHECK(ncclCommCount(comm_, &world_size_));
+    LOCKSTEP_CUDA_CHECK(cudaSetDevice(device_));
+    LOCKSTEP_CUDA_CHECK(cudaStreamCreateWithFlags(&stream_, cudaStreamNonBlocking));
+  }
+
   ~NcclCommunicator() override {
     if (comm_ != nullptr) broken_.empty() ? ncclCommDestroy(comm_) : ncclCommAbort(comm_);
     if (stream_ != nullptr) cudaStreamDestroy(stream_);
@@ -164,6 +172,18 @@ class NcclCommunicator final : public Communicator {
       barrier_buffer_ = at::zeros({1}, at::TensorOptions().dtype(at::kFloat).device(at::kCUDA, device_));
     }
     return AllReduceAsync(barrier_buffer_, ReduceOp::kSum, options);
+  }
+
+  // ncclCommSplit (NCCL 2.18 and later): the new communicator shares this one's
+  // bootstrap, so no unique id has to travel. Blocks until every rank of this
+  // communicator has called it.
+  std::unique_ptr<Communicator> SplitGroup(int color, int key, const CollectiveOptions& options) override {
+    (void)options;
+    if (!broken_.empty()) throw CollectiveError("NCCL communicator is broken: " + broken_);
+    LOCKSTEP_CUDA_CHECK(cudaSetDevice(device_));
+    ncclComm_t group = nullptr;
+    LOCKSTEP_NCCL_CHECK(ncclCommSplit(comm_, color, key, &group, nullptr));
+    return std::make_unique<NcclCommunicator>(device_, group);
   }
 
   // From any thread: the next poll of a Work (on the thread that waits) breaks the
