@@ -60,7 +60,9 @@
 
 #include "absl/time/time.h"
 #include "lockstep/data.h"
+#include "lockstep/communicator.h"
 #include "lockstep/errors.h"
+#include "lockstep/mesh.h"
 #include "lockstep/train_state.h"
 
 namespace lockstep {
@@ -134,6 +136,13 @@ class CheckpointManager {
             bool emergency = false);
   // Blocks until the save in flight is committed; rethrows its failure.
   void Wait();
+  // Tensor parallelism (tensor_parallel.h): the model's parameters that `layouts`
+  // mark as split are this rank's shards over `model_axis`. Save then gathers
+  // each of them, and each optimizer value of their shape, over the axis, so that
+  // the checkpoint holds whole tensors as a replicated one does (and loads on any
+  // mesh, or with none); Restore reads the whole tensors and keeps this rank's
+  // shard. Both become collectives over the axis. Null or a world of one: off.
+  void set_model_axis(Communicator* model_axis, int model_index, std::vector<ParameterLayout> layouts);
   // Blocks until the save in flight has copied the state (overlap_copy); after it
   // the caller may change parameters and optimizer state. Cheap when nothing waits.
   void AwaitSnapshot();
@@ -174,6 +183,9 @@ class CheckpointManager {
   const int rank_;
   const int world_size_;
   CoordinationClient* const coordination_;  // Not owned.
+  Communicator* model_axis_ = nullptr;      // Not owned; see set_model_axis
+  int model_index_ = 0;
+  std::map<std::string, ParameterLayout> split_;  // the split parameters, by name
   std::future<void> in_flight_;        // the async save, if any
   std::shared_future<void> snapshot_;  // its copy of the state (overlap_copy)
   std::map<std::string, at::Tensor> staging_;  // async copies, reused from save to save

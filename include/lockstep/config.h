@@ -16,7 +16,9 @@
 #include "lockstep/checkpoint.h"
 #include "lockstep/data.h"
 #include "lockstep/token_data.h"
+#include "lockstep/gpt.h"
 #include "lockstep/job.h"
+#include "lockstep/mesh.h"
 #include "lockstep/models.h"
 #include "lockstep/progress.h"
 #include "lockstep/runtime.h"
@@ -55,6 +57,14 @@ std::string ConfigToText(const config::TrainerConfig& config);
 // weight metrics, threads, backend, device, buckets, timeouts, coordination,
 // checkpoint).
 std::string ResumeRelevantConfigText(const config::TrainerConfig& config);
+
+// partitioning.mesh for `world_size` ranks (data 0: the world size / model).
+MeshShape ToMeshShape(const config::TrainerConfig& config, int world_size);
+// partitioning.rules, or DefaultTransformerRules() when there are none.
+PartitionRules ToPartitionRules(const config::TrainerConfig& config);
+// `runtime` as the mesh's data axis sees it (rank: the data index, world_size:
+// the data axis): whose slice of each global batch a rank reads.
+Runtime DataAxisRuntime(const Runtime& runtime, const MeshShape& shape);
 
 OptimizerOptions ToOptimizerOptions(const config::OptimizerConfig& config);
 LrSchedule ToLrSchedule(const config::TrainerConfig& config);

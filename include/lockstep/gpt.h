@@ -125,6 +125,10 @@ class GptImpl : public torch::nn::Module {
 };
 TORCH_MODULE(Gpt);
 
+// A GPT split as `parallel` says, with its apply function (BuildModel's "gpt"
+// without a mesh).
+BuiltModel BuildGpt(const GptOptions& options, const GptParallelism& parallel = {});
+
 // Summary metrics of a byte-level language model, for BaseTrainer::
 // AddDerivedMetrics: bits_per_byte (the loss in nats / ln 2: a token is a byte),
 // and for the train task tokens_per_second (all ranks': examples per second x

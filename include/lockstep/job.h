@@ -168,6 +168,9 @@ struct JobEnvironmentOptions {
   std::string backend = "auto";  // "auto" (nccl on GPU, mpi on CPU), "mpi", "nccl"
   CoordinationSetup coordination;
   absl::Duration collective_timeout = absl::Minutes(5);
+  // MPI with MPI_THREAD_MULTIPLE (MpiOptions::thread_multiple): a mesh whose axes
+  // both exceed one rank runs communicators side by side.
+  bool mpi_thread_multiple = false;
   // Prefix of this layer's lines on stderr ("lockstep_train: rank 1: stopping: ...").
   std::string program = "lockstep";
   bool install_signal_handlers = true;

@@ -16,6 +16,8 @@
 #include <map>
 #include <memory>
 #include <string>
+#include <type_traits>
+#include <utility>
 #include <vector>
 
 namespace lockstep {
@@ -108,9 +110,14 @@ struct OptimizerOptions {
 // Throws InvalidArgumentError naming a bad option.
 OptimizerFactory MakeOptimizerFactory(const OptimizerOptions& options);
 
+// The key type of Optimizer::state(): the TensorImpl's address as text in
+// libtorch 1.x, the address itself in 2.x.
+using OptimizerStateKeyType = std::remove_cv_t<
+    std::remove_reference_t<decltype(std::declval<torch::optim::Optimizer&>().state())>>::key_type;
+
 // The key under which torch::optim optimizers keep a parameter's state in
-// Optimizer::state() (its TensorImpl's address, as text).
-std::string OptimizerStateKey(const torch::Tensor& parameter);
+// Optimizer::state().
+OptimizerStateKeyType OptimizerStateKey(const torch::Tensor& parameter);
 
 // Builds a train state at step 0: the module, and an optimizer over its parameters.
 TrainState MakeTrainState(std::shared_ptr<torch::nn::Module> model, const OptimizerFactory& optimizer);

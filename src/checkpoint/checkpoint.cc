@@ -29,6 +29,7 @@
 #include <unordered_map>
 
 #include "absl/strings/ascii.h"
+#include "lockstep/tensor_parallel.h"
 #include "absl/strings/escaping.h"
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
@@ -645,6 +646,16 @@ void CheckpointManager::Wait() {
   if (in_flight_.valid()) in_flight_.get();
 }
 
+void CheckpointManager::set_model_axis(Communicator* model_axis, int model_index,
+                                       std::vector<ParameterLayout> layouts) {
+  split_.clear();
+  model_axis_ = model_axis != nullptr && model_axis->world_size() > 1 ? model_axis : nullptr;
+  model_index_ = model_index;
+  for (ParameterLayout& layout : layouts) {
+    if (layout.sharded()) split_[layout.name] = std::move(layout);
+  }
+}
+
 void CheckpointManager::Save(const TrainState& state, const ShardExtras& extras,
                              const std::map<std::string, double>& metrics, bool emergency) {
   const auto start = std::chrono::steady_clock::now();
@@ -692,8 +703,23 @@ void CheckpointManager::Save(const TrainState& state, const ShardExtras& extras,
   const ShardedLayout* layout = state.layout.get();
   job->partitioning = layout != nullptr ? layout->strategy : options_.partitioning;
   if (layout == nullptr) {
-    for (const auto& item : state.model->named_parameters()) put("model/" + item.key(), item.value());
-    writer.put_tensor = [&](const std::string& key, const at::Tensor& value) { put(kOptimizerPrefix + key, value); };
+    // A model split over a model axis: every rank of the axis gathers each split
+    // value, in the same order, and the checkpoint holds whole tensors.
+    auto whole = [&](const std::string& name, const at::Tensor& value) -> at::Tensor {
+      if (model_axis_ == nullptr) return value;
+      auto split = split_.find(name);
+      if (split == split_.end()) return value;
+      std::vector<int64_t> shape = split->second.global_shape;
+      shape[split->second.split_dim] /= split->second.parts;
+      if (value.sizes().vec() != shape) return value;  // a scalar of the optimizer's, say
+      return GatherShards(value.detach(), split->second, model_axis_);
+    };
+    for (const auto& item : state.model->named_parameters()) {
+      put("model/" + item.key(), whole(item.key(), item.value()));
+    }
+    writer.put_tensor = [&](const std::string& key, const at::Tensor& value) {
+      put(kOptimizerPrefix + key, whole(key.substr(0, key.rfind('/')), value));
+    };
     writer.put_int = [&](const std::string& key, int64_t value) { job->values.insert(kOptimizerPrefix + key, value); };
     writer.put_bytes = [&](const std::string& key, const std::string& value) {
       job->values.insert(kOptimizerPrefix + key, BytesTensor(value));
@@ -1085,12 +1111,24 @@ ShardExtras CheckpointManager::Restore(const FoundCheckpoint& found, TrainState&
   // model; this rank's own one when the layouts agree).
   CheckpointReader reader(found, rank_);
   const std::string home = reader.File(reader.home());
+  // The value of `key` for a tensor like `like`: with a model axis, this rank's
+  // shard of the whole tensor when `name` is a split parameter.
+  auto ReadShard = [this](CheckpointReader& from, const std::string& key, const std::string& name,
+                          const at::Tensor& like) -> at::Tensor {
+    auto split = split_.find(name);
+    if (model_axis_ == nullptr || split == split_.end() || !like.defined()) return from.Whole(key, like);
+    std::vector<int64_t> shape = split->second.global_shape;
+    shape[split->second.split_dim] /= split->second.parts;
+    if (like.sizes().vec() != shape) return from.Whole(key, like);
+    const at::Tensor whole_like = at::empty(split->second.global_shape, like.options().requires_grad(false));
+    return ShardOf(from.Whole(key, whole_like), split->second, model_index_);
+  };
   try {
     {
       at::NoGradGuard no_grad;
       if (layout == nullptr || layout->parameters_whole) {
         for (const auto& item : state.model->named_parameters()) {
-          item.value().copy_(reader.Whole("model/" + item.key(), item.value()));
+          item.value().copy_(ReadShard(reader, "model/" + item.key(), item.key(), item.value()));
         }
       } else {
         // Fully sharded: only this rank's slices hold parameters (the padding stays zero).
@@ -1120,7 +1158,7 @@ ShardExtras CheckpointManager::Restore(const FoundCheckpoint& found, TrainState&
     if (layout == nullptr) {
       optimizer_reader.has = [&](const std::string& key) { return reader.Has(kOptimizerPrefix + key); };
       optimizer_reader.tensor = [&](const std::string& key, const at::Tensor& like) {
-        at::Tensor t = reader.Whole(kOptimizerPrefix + key, like);
+        at::Tensor t = ReadShard(reader, kOptimizerPrefix + key, key.substr(0, key.rfind('/')), like);
         return like.defined() ? t.to(like.device()) : t;
       };
       optimizer_reader.integer = [&](const std::string& key) { return reader.Value(kOptimizerPrefix + key).toInt(); };

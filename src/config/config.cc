@@ -4,6 +4,7 @@
 #include <google/protobuf/io/tokenizer.h>
 #include <google/protobuf/text_format.h>
 
+#include <algorithm>
 #include <cmath>
 #include <fstream>
 #include <sstream>
@@ -207,10 +208,41 @@ absl::Status ValidateConfig(const config::TrainerConfig& c, int world_size) {
   check.Require(s.final_fraction() >= 0 && s.final_fraction() <= 1, "schedule.final_fraction", "must be in [0, 1]",
                 s.final_fraction());
 
+  // The mesh: the global batch is split over its data axis.
+  const auto& mesh = c.partitioning().mesh();
+  check.Require(mesh.model() >= 1, "partitioning.mesh.model", "must be >= 1", mesh.model());
+  check.Require(mesh.data() >= 0, "partitioning.mesh.data", "must be >= 0 (0: the world size / model)", mesh.data());
+  const MeshShape shape = ToMeshShape(c, world_size);
+  check.Require(shape.data >= 1 && shape.size() == world_size, "partitioning.mesh",
+                absl::StrCat("must have data x model = the world size ", world_size),
+                absl::StrCat(mesh.data() > 0 ? absl::StrCat(mesh.data()) : std::string("auto"), "x", mesh.model(),
+                             " (data x model)"));
+  const int data_ranks = std::max(1, shape.data);
+  if (shape.model > 1) {
+    check.Require(m.name() == "gpt", "partitioning.mesh.model",
+                  "above 1 needs model.name gpt (the model whose parameters name their logical axes)", shape.model);
+    check.Require(m.dropout() == 0, "model.dropout", "must be 0 with a model axis above 1 (not supported yet)",
+                  m.dropout());
+    check.Require(c.partitioning().strategy() == "replicated", "partitioning.strategy",
+                  "must be replicated with a model axis above 1 (sharded state over the data axis of a 2-D mesh is "
+                  "not supported yet)",
+                  c.partitioning().strategy());
+    if (m.name() == "gpt" && check.status().ok()) {
+      try {
+        const Partitioner partitioner(ToPartitionRules(c), shape);
+        GptParameterLayouts(ToModelOptions(m).gpt, partitioner);
+      } catch (const InvalidArgumentError& e) {
+        check.Require(false, "partitioning", e.what(), DescribeMesh(shape));
+      }
+    }
+  }
+
   const auto& d = c.data();
   check.Require(d.global_batch_size() > 0, "data.global_batch_size", "must be > 0", d.global_batch_size());
-  check.Require(d.global_batch_size() % world_size == 0, "data.global_batch_size",
-                absl::StrCat("must be divisible by the world size ", world_size), d.global_batch_size());
+  check.Require(d.global_batch_size() % data_ranks == 0, "data.global_batch_size",
+                shape.model > 1 ? absl::StrCat("must be divisible by the mesh's data axis ", data_ranks)
+                                : absl::StrCat("must be divisible by the world size ", world_size),
+                d.global_batch_size());
   check.Require(d.eval_batch_size() > 0, "data.eval_batch_size", "must be > 0", d.eval_batch_size());
   check.Require(d.source() != config::DataConfig::FASHION_MNIST || !d.dir().empty(), "data.dir",
                 "must name the Fashion-MNIST folder", "\"\"");
@@ -234,8 +266,10 @@ absl::Status ValidateConfig(const config::TrainerConfig& c, int world_size) {
   check.Require(c.eval_every_steps() >= 0, "eval_every_steps", "must be >= 0", c.eval_every_steps());
   check.Require(c.summary_every_steps() > 0, "summary_every_steps", "must be > 0", c.summary_every_steps());
   check.Require(c.num_microbatches() >= 1, "num_microbatches", "must be >= 1", c.num_microbatches());
-  check.Require(d.global_batch_size() <= 0 || c.num_microbatches() <= d.global_batch_size() / world_size,
-                "num_microbatches", "must not exceed the per-rank batch size (data.global_batch_size / world size)",
+  check.Require(d.global_batch_size() <= 0 || c.num_microbatches() <= d.global_batch_size() / data_ranks,
+                "num_microbatches",
+                "must not exceed the per-rank batch size (data.global_batch_size / the world size, or the mesh's data "
+                "axis)",
                 c.num_microbatches());
   check.Require(c.max_grad_norm() >= 0 && std::isfinite(c.max_grad_norm()), "max_grad_norm",
                 "must be >= 0 (0 disables clipping)", c.max_grad_norm());
@@ -345,6 +379,27 @@ LrSchedule ToLrSchedule(const config::TrainerConfig& c) {
   s.decay_steps = c.schedule().decay_steps();
   s.final_fraction = c.schedule().final_fraction();
   return s;
+}
+
+MeshShape ToMeshShape(const config::TrainerConfig& c, int world_size) {
+  MeshShape shape;
+  shape.model = std::max(1, c.partitioning().mesh().model());
+  shape.data = c.partitioning().mesh().data() > 0 ? c.partitioning().mesh().data() : world_size / shape.model;
+  return shape;
+}
+
+PartitionRules ToPartitionRules(const config::TrainerConfig& c) {
+  if (c.partitioning().rules().empty()) return DefaultTransformerRules();
+  PartitionRules rules;
+  for (const config::PartitionRuleConfig& r : c.partitioning().rules()) rules.push_back({r.logical_axis(), r.mesh_axis()});
+  return rules;
+}
+
+Runtime DataAxisRuntime(const Runtime& runtime, const MeshShape& shape) {
+  Runtime out = runtime;
+  out.rank = runtime.rank / shape.model;
+  out.world_size = shape.data;
+  return out;
 }
 
 ModelOptions ToModelOptions(const config::ModelConfig& c) {

@@ -20,6 +20,8 @@ JobEnvironmentOptions ToJobEnvironmentOptions(const config::TrainerConfig& cfg) 
   o.device = cfg.device();
   o.backend = cfg.backend();
   o.collective_timeout = absl::Seconds(cfg.collective_timeout_seconds());
+  // Split groups smaller than the world run side by side (DeviceMesh).
+  o.mpi_thread_multiple = cfg.partitioning().mesh().model() > 1;
   const config::CoordinationConfig& c = cfg.coordination();
   o.coordination.mode = c.mode();
   o.coordination.address = c.address();

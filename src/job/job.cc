@@ -170,10 +170,12 @@ std::string ResolveDevice(const std::string& requested, const Runtime& runtime) 
 }
 
 // MPI for a world of more than one rank, when this build has it; null otherwise.
-std::unique_ptr<Communicator> MaybeMakeMpi(const Runtime& runtime) {
+std::unique_ptr<Communicator> MaybeMakeMpi(const Runtime& runtime, bool thread_multiple) {
   if (runtime.world_size == 1) return nullptr;
 #if LOCKSTEP_HAVE_MPI
-  std::unique_ptr<Communicator> comm = MakeMpiCommunicator();
+  MpiOptions mpi;
+  mpi.thread_multiple = thread_multiple;
+  std::unique_ptr<Communicator> comm = MakeMpiCommunicator(mpi);
   if (comm->rank() != runtime.rank || comm->world_size() != runtime.world_size) {
     throw Error("MPI says rank " + std::to_string(comm->rank()) + " of " + std::to_string(comm->world_size()) +
                 " but the " + runtime.launcher + " environment says rank " + std::to_string(runtime.rank) + " of " +
@@ -181,6 +183,7 @@ std::unique_ptr<Communicator> MaybeMakeMpi(const Runtime& runtime) {
   }
   return comm;
 #else
+  (void)thread_multiple;
   return nullptr;
 #endif
 }
@@ -214,7 +217,7 @@ std::unique_ptr<JobEnvironment> JobEnvironment::Create(const JobEnvironmentOptio
   env->notice_target_ = env->preemption_.get();
 
   env->device_ = ResolveDevice(options.device, runtime);
-  std::unique_ptr<Communicator> mpi = MaybeMakeMpi(runtime);
+  std::unique_ptr<Communicator> mpi = MaybeMakeMpi(runtime, options.mpi_thread_multiple);
   env->StartCoordination(mpi.get());
   env->preemption_->AttachClient(env->client_.get());
 

@@ -28,6 +28,7 @@
 #include "lockstep/checkpoint.h"
 #include "lockstep/config.h"
 #include "lockstep/gpt.h"
+#include "lockstep/mesh.h"
 #include "lockstep/job.h"
 #include "lockstep/models.h"
 #include "lockstep/torch_setup.h"
@@ -97,7 +98,20 @@ int Run(const config::TrainerConfig& cfg, const Runtime& runtime, std::unique_pt
     model_options.width = data.train->inputs.size(3);
   }
   CheckModelFitsInMemory(cfg, model_options);  // a clear error, not libtorch's allocator's
-  BuiltModel model = BuildModel(model_options);
+  // A data x model mesh: the model splits itself over its model axis.
+  const MeshShape mesh_shape = ToMeshShape(cfg, runtime.world_size);
+  std::unique_ptr<DeviceMesh> mesh;
+  std::unique_ptr<Partitioner> partitioner;
+  GptParallelism parallel;
+  if (mesh_shape.model > 1) {
+    mesh = DeviceMesh::Create(communicator, mesh_shape, env->collective_options());
+    partitioner = std::make_unique<Partitioner>(ToPartitionRules(cfg), mesh_shape);
+    parallel = GptParallelism{mesh->model(), mesh->model_index(), partitioner.get()};
+  }
+  BuiltModel model = mesh ? BuildGpt(model_options.gpt, parallel) : BuildModel(model_options);
+  std::vector<ParameterLayout> layouts;
+  if (mesh) layouts = std::dynamic_pointer_cast<GptImpl>(model.module)->layouts();
+  if (mesh && runtime.is_chief()) std::printf("%s", Partitioner::Table(layouts, mesh_shape).c_str());
   TrainState state = MakeTrainState(model.module, MakeOptimizerFactory(ToOptimizerOptions(cfg.optimizer())));
   state.model->to(torch::Device(env->device()));
   if (runtime.is_chief()) {
@@ -108,15 +122,24 @@ int Run(const config::TrainerConfig& cfg, const Runtime& runtime, std::unique_pt
   TrainerOptions options = ToTrainerOptions(cfg);
   options.communicator = communicator;
   options.data_parallel.coordination = env->coordination();
-  Trainer trainer(state, model.apply, data.tokens() ? LanguageModelLoss() : CrossEntropyLoss(), options, runtime);
+  options.mesh = mesh.get();
+  options.parameter_layouts = layouts;
+  LossFn loss = CrossEntropyLoss();
+  if (data.tokens()) {
+    const auto* gpt = dynamic_cast<const GptImpl*>(model.module.get());
+    loss = gpt != nullptr ? LanguageModelLoss(gpt->vocab_axis(), gpt->vocab_begin()) : LanguageModelLoss();
+  }
+  Trainer trainer(state, model.apply, loss, options, runtime);
   // Rank 0 alone writes (stdout, TensorBoard events, JSONL) on the trainer's
   // background thread; on a terminal a progress bar replaces the train lines.
   const RunWriters writers = AddConfiguredWriters(cfg, runtime, trainer);
   const std::shared_ptr<ProgressBar>& progress = writers.progress;
   AddConfiguredActions(cfg, trainer);
 
-  std::unique_ptr<BatchIterator> train_data = MakeTrainIterator(cfg, data, runtime);
-  const std::vector<EvalSet> eval_sets = {{"test", [&] { return MakeEvalIterator(cfg, data, runtime); }}};
+  // Each rank reads its data replica's slice of every global batch.
+  const Runtime data_runtime = DataAxisRuntime(runtime, mesh_shape);
+  std::unique_ptr<BatchIterator> train_data = MakeTrainIterator(cfg, data, data_runtime);
+  const std::vector<EvalSet> eval_sets = {{"test", [&] { return MakeEvalIterator(cfg, data, data_runtime); }}};
   if (data.tokens()) {
     // Bits per byte, tokens/s and MFU against the matrix-product peak that every
     // rank measures now, all at once (rank 0's figure is used).
@@ -130,6 +153,7 @@ int Run(const config::TrainerConfig& cfg, const Runtime& runtime, std::unique_pt
     }
   }
   CheckpointManager checkpoints(ToCheckpointOptions(cfg), runtime.rank, runtime.world_size, env->coordination());
+  if (mesh) checkpoints.set_model_axis(mesh->model(), mesh->model_index(), layouts);
   JobOptions job_options = ToJobOptions(cfg);
   job_options.resume = absl::GetFlag(FLAGS_resume);
   if (progress && cfg.progress_updates() == "step") job_options.on_step = [progress](int64_t s) { progress->Step(s); };

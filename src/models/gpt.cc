@@ -159,6 +159,12 @@ std::vector<ParameterLayout> GptParameterLayouts(const GptOptions& o, const Part
 
 GptImpl::GptImpl(const GptOptions& o, const GptParallelism& parallel) : options_(o) {
   CheckGptOptions(o);
+  if (parallel.model != nullptr && parallel.partitioner != nullptr &&
+      parallel.partitioner->shape().model != parallel.model->world_size()) {
+    throw InvalidArgumentError(absl::StrCat("gpt: the partitioner's mesh has a model axis of ",
+                                            parallel.partitioner->shape().model, ", the model-axis communicator ",
+                                            parallel.model->world_size(), " rank(s)"));
+  }
   const bool split = parallel.Splits("heads") || parallel.Splits("mlp") || parallel.Splits("vocab");
   if (split && o.dropout > 0) {
     throw InvalidArgumentError(absl::StrCat("model 'gpt': dropout (", o.dropout,
@@ -212,6 +218,11 @@ at::Tensor GptImpl::forward(const at::Tensor& tokens) {
   for (const auto& block : *blocks_) x = block->as<GptBlockImpl>()->forward(x);
   // The head is tied to the embedding: with a split vocabulary, this rank's columns.
   return at::linear(CopyToModelParallel(ln_f_->forward(x), vocab_axis_), wte_->weight);
+}
+
+BuiltModel BuildGpt(const GptOptions& options, const GptParallelism& parallel) {
+  auto gpt = std::make_shared<GptImpl>(options, parallel);
+  return {gpt, [](torch::nn::Module& m, const at::Tensor& x) { return static_cast<GptImpl&>(m).forward(x); }};
 }
 
 DeriveMetricsFn LanguageModelMetrics(const GptOptions& options, int64_t sequence_length, int world_size,

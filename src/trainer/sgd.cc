@@ -67,7 +67,7 @@ torch::Tensor BlockedSgd::step(LossClosure closure) {
       bool first = false;
       if (h.momentum != 0) {
         auto& states = state();
-        const std::string key = OptimizerStateKey(param);
+        const auto key = OptimizerStateKey(param);
         auto it = states.find(key);
         if (it == states.end()) {
           first = true;

@@ -3,9 +3,9 @@
 #include <torch/optim/adam.h>
 #include <torch/optim/adamw.h>
 #include <torch/optim/sgd.h>
-#include <c10/util/string_utils.h>
 
 #include <cmath>
+#include <sstream>
 #include <string>
 #include <utility>
 
@@ -55,8 +55,24 @@ OptimizerFactory MakeOptimizerFactory(const OptimizerOptions& o) {
   throw InvalidArgumentError("optimizer: unknown kind");
 }
 
-std::string OptimizerStateKey(const torch::Tensor& parameter) {
-  return c10::guts::to_string(parameter.unsafeGetTensorImpl());
+namespace {
+
+// libtorch 1.x keys by the address written to a stream, 2.x by the address.
+template <typename Key>
+Key StateKeyOf(const void* impl) {
+  if constexpr (std::is_same_v<Key, std::string>) {
+    std::ostringstream text;
+    text << impl;
+    return text.str();
+  } else {
+    return static_cast<Key>(const_cast<void*>(impl));
+  }
+}
+
+}  // namespace
+
+OptimizerStateKeyType OptimizerStateKey(const torch::Tensor& parameter) {
+  return StateKeyOf<OptimizerStateKeyType>(parameter.unsafeGetTensorImpl());
 }
 
 TrainState MakeTrainState(std::shared_ptr<torch::nn::Module> model, const OptimizerFactory& optimizer) {

@@ -138,7 +138,7 @@ configure_and_build() {
   [[ -n $CUSPARSELT_LIBRARY_PATH ]] && args+=("-DCUSPARSELT_LIBRARY_PATH=$CUSPARSELT_LIBRARY_PATH")
   [[ -n $CUDSS_INCLUDE_PATH ]] && args+=("-DCUDSS_INCLUDE_PATH=$CUDSS_INCLUDE_PATH")
   [[ -n $CUDSS_LIBRARY_PATH ]] && args+=("-DCUDSS_LIBRARY_PATH=$CUDSS_LIBRARY_PATH")
-  [[ ${LOCKSTEP_GPU_WERROR:-0} == 1 ]] || args+=("-DCMAKE_CXX_COMPILER_LAUNCHER=$ROOT/tests/gpu/no_werror.sh")
+  [[ ${LOCKSTEP_GPU_WERROR:-0} == 1 ]] || args+=("-DCMAKE_CXX_COMPILER_LAUNCHER=/bin/sh;$ROOT/tests/gpu/no_werror.sh")
   rm -rf "$B"
   echo "--- cmake ${args[*]}"
   local start=$SECONDS

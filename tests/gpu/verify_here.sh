@@ -18,6 +18,7 @@ exec unshare -m bash -s -- "$ROOT" "$B" "$SR" "${TARGETS[@]}" <<'INNER'
 set -euo pipefail
 ROOT=$1 B=$2 SR=$3; shift 3
 empty=$(mktemp -d); fake=$(mktemp); printf '#!/bin/sh\necho hidden >&2; exit 1\n' >"$fake"; chmod +x "$fake"
+trap 'rm -rf "$empty" "$fake"' EXIT
 for d in /usr/include/absl /usr/include/grpc /usr/include/grpcpp /usr/include/grpc++ /usr/include/google/protobuf \
          /usr/include/gtest /usr/include/gmock /usr/include/re2 /usr/lib/x86_64-linux-gnu/cmake/grpc \
          /usr/lib/x86_64-linux-gnu/cmake/absl /usr/lib/x86_64-linux-gnu/cmake/GTest /usr/lib/x86_64-linux-gnu/pkgconfig \

@@ -104,6 +104,42 @@ TEST(ConfigTest, LanguageModelConfigsAreChecked) {
   EXPECT_THAT(BuildConfig("", {"data.source=TOKENS"}).status().message(), HasSubstr("'data.source'"));
 }
 
+TEST(ConfigTest, MeshesAreChecked) {
+  auto on = [](int world, const std::string& more) {
+    absl::StatusOr<config::TrainerConfig> cfg = ParseConfig(
+        "model { name: 'gpt' } data { source: TOKENS global_batch_size: 12 } " + more, "test");
+    EXPECT_TRUE(cfg.ok()) << cfg.status();
+    return ValidateConfig(*cfg, world);
+  };
+  EXPECT_TRUE(on(4, "partitioning { mesh { model: 2 } }").ok()) << on(4, "partitioning { mesh { model: 2 } }");
+  EXPECT_TRUE(on(4, "partitioning { mesh { model: 4 } }").ok());
+  EXPECT_TRUE(on(4, "partitioning { mesh { data: 2 model: 2 } }").ok());
+  // The batch splits over the data axis only: 6 over 2 replicas of 2 ranks.
+  EXPECT_TRUE(on(4, "partitioning { mesh { model: 2 } } data { global_batch_size: 6 }").ok());
+  EXPECT_THAT(on(4, "partitioning { mesh { data: 3 model: 2 } }").message(),
+              HasSubstr("'partitioning.mesh' must have data x model = the world size 4, got 3x2 (data x model)"));
+  EXPECT_THAT(on(2, "partitioning { mesh { model: 4 } }").message(), HasSubstr("got autox4"));
+  EXPECT_THAT(on(3, "partitioning { mesh { model: 3 } }").message(),
+              HasSubstr("parameter 'blocks.0.qkv.weight': 4 heads do not divide over the model axis of 3 ranks"));
+  const std::string three_heads = "model { num_heads: 3 width: 129 } partitioning { mesh { model: 3 } ";
+  EXPECT_THAT(on(3, three_heads + "}").message(),
+              HasSubstr("parameter 'wte.weight': dimension 0 ('vocab', 256) does not divide over the model axis of 3"));
+  // Rules name mesh axes that exist, and can keep a layer whole.
+  EXPECT_TRUE(on(3, three_heads + "rules { logical_axis: 'heads' mesh_axis: 'model' } }").ok());
+  EXPECT_THAT(on(2, "partitioning { mesh { model: 2 } rules { logical_axis: 'vocab' mesh_axis: 'data' } }").message(),
+              HasSubstr("use partitioning.strategy"));
+  EXPECT_THAT(on(2, "partitioning { mesh { model: 2 } rules { logical_axis: 'vocab' mesh_axis: 'tensor' } }").message(),
+              HasSubstr("unknown mesh axis 'tensor'"));
+  EXPECT_THAT(on(2, "partitioning { mesh { model: 2 } } model { dropout: 0.1 }").message(),
+              HasSubstr("'model.dropout' must be 0 with a model axis above 1"));
+  EXPECT_THAT(on(2, "partitioning { mesh { model: 2 } strategy: 'fully_sharded' }").message(),
+              HasSubstr("'partitioning.strategy' must be replicated with a model axis above 1"));
+  EXPECT_THAT(BuildConfig("", {"partitioning.mesh.model=2", "data.source=SYNTHETIC", "model.name=mlp"}, 2)
+                  .status()
+                  .message(),
+              HasSubstr("needs model.name gpt"));
+}
+
 TEST(ConfigTest, ShippedConfigsAreValidAndRoundTrip) {
   for (const auto& entry : std::filesystem::directory_iterator(std::string(LOCKSTEP_SOURCE_DIR) + "/configs")) {
     SCOPED_TRACE(entry.path().string());
