@@ -7,3 +7,11 @@
 find_package(Protobuf REQUIRED)
 message(STATUS "tests/gpu/preload.cmake: protobuf ${Protobuf_VERSION} from ${Protobuf_INCLUDE_DIR}, "
                "protoc ${Protobuf_PROTOC_EXECUTABLE}")
+# pip's libtorch ships protobuf headers of its own (an older protobuf) in its
+# include folder; a target that reaches libtorch's include folder before the
+# sysroot's (lockstep_checkpoint, through lockstep_trainer) would compile our
+# generated code against them. The sysroot's headers go first everywhere.
+get_filename_component(_lockstep_sysroot_include "${CMAKE_CURRENT_LIST_DIR}/../../.gpu/sysroot/usr/include" ABSOLUTE)
+if(EXISTS "${_lockstep_sysroot_include}/google/protobuf")
+  include_directories(BEFORE SYSTEM "${_lockstep_sysroot_include}")
+endif()
