@@ -676,13 +676,13 @@ void CheckpointManager::Save(const TrainState& state, const ShardExtras& extras,
   auto put = [&](const std::string& key, const at::Tensor& t, bool may_defer = true) {
     if (!t.defined()) return;
     if (!copy) {
-      job->values.insert(key, t.detach());
+      // Shards hold CPU tensors: a model on a GPU is copied to the host here.
+      job->values.insert(key, t.detach().cpu());
       return;
     }
     at::Tensor& staged = staging_[key];
-    if (!staged.defined() || staged.sizes() != t.sizes() || staged.scalar_type() != t.scalar_type() ||
-        staged.device() != t.device()) {
-      staged = at::empty(t.sizes(), t.options().memory_format(at::MemoryFormat::Contiguous));
+    if (!staged.defined() || staged.sizes() != t.sizes() || staged.scalar_type() != t.scalar_type()) {
+      staged = at::empty(t.sizes(), t.options().device(at::kCPU).memory_format(at::MemoryFormat::Contiguous));
     }
     if (options_.overlap_copy && may_defer) {
       deferred.emplace_back(staged, t.detach());
@@ -739,7 +739,7 @@ void CheckpointManager::Save(const TrainState& state, const ShardExtras& extras,
       if (copy) {
         put(key, part);
       } else {
-        job->values.insert(key, part.detach().clone());
+        job->values.insert(key, part.detach().to(at::kCPU, /*non_blocking=*/false, /*copy=*/true));
       }
     };
     // Each unit's split values: "" for the parameters, then the optimizer's fields.

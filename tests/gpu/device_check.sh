@@ -171,7 +171,8 @@ if have "$B/tests/unit/gpt_test" gpt_test; then
   # gpt_test compares with PyTorch through /usr/bin/python3; python3's packages let
   # it import torch when both are the same Python (else that case is skipped).
   site=$("$PY" -c 'import torch, os; print(os.path.dirname(os.path.dirname(torch.__file__)))' 2>/dev/null)
-  PYTHONPATH=$site${PYTHONPATH:+:$PYTHONPATH} stage "gpt_test" 150 "$OUT/tests.log" "$B/tests/unit/gpt_test"
+  PYTHONPATH=$site${PYTHONPATH:+:$PYTHONPATH} stage "gpt_test" 150 "$OUT/tests.log" "$B/tests/unit/gpt_test" \
+    ${LOCKSTEP_GPU_GPT_FILTER:+"--gtest_filter=$LOCKSTEP_GPU_GPT_FILTER"}
 fi
 
 train() {  # train LABEL BACKEND
@@ -188,6 +189,14 @@ if have "$B/lockstep_train" lockstep_train; then
   [[ -f build/data/kjv/train.bin ]] || note "WARNING: build/data/kjv/train.bin missing (carry build/data/kjv)"
   stage "train cuda, 1 process" 120 "$OUT/train_single.log" train single auto
   stage "train cuda, nccl" 120 "$OUT/train_nccl.log" train nccl nccl
+  # The NCCL run's last checkpoint (CUDA parameters, saved to the host) resumes
+  # on the GPU and trains 100 more steps.
+  resume() {
+    "$B/lockstep_train" --config=configs/kjv_gpt.textproto --resume=auto \
+      "--set=device=cuda:0,backend=nccl,num_train_steps=$((STEPS + 100)),eval_every_steps=$((STEPS / 2)),summary_every_steps=100,output_dir=$RUNS/nccl,progress=lines"
+  }
+  export -f resume
+  stage "resume cuda, nccl" 90 "$OUT/train_nccl.log" resume
   if have "$B/lockstep_sample" lockstep_sample && [[ -d $RUNS/nccl ]]; then
     stage "sample (nccl run)" 60 "$OUT/train_nccl.log" "$B/lockstep_sample" "--run=$RUNS/nccl" \
       "--prompt=And God said" --tokens=200 --seed=1
@@ -200,7 +209,7 @@ stage "torch reference" 150 "$OUT/torch_ref.log" "$PY" tests/gpu/gpt_reference_c
   echo "--- figures:"
   for f in train_single train_nccl; do
     [[ -f $OUT/$f.log ]] || continue
-    grep -E '^lockstep_train:|^Language model:|^Done:' "$OUT/$f.log" | sed "s/^/$f: /"
+    grep -E '^lockstep_train:|^Language model:|^Done:|^Resumed|^lockstep_sample' "$OUT/$f.log" | sed "s/^/$f: /"
     grep -E 'train (tokens_per_second|seconds_per_step|mfu|data_wait_fraction) ' "$OUT/$f.log" | tail -4 | sed "s/^/$f: /"
   done
   [[ -f $OUT/torch_ref.log ]] && grep -E '^reference:|test loss' "$OUT/torch_ref.log" | sed 's/^/torch_ref: /'
