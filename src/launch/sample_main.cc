@@ -28,7 +28,9 @@
 #include "lockstep/config.h"
 #include "lockstep/errors.h"
 #include "lockstep/gpt.h"
+#include "lockstep/hashing.h"
 #include "lockstep/torch_setup.h"
+#include "proto/checkpoint.pb.h"
 
 ABSL_FLAG(std::string, run, "", "The output_dir of a lockstep_train run of a GPT (it holds config.textproto)");
 ABSL_FLAG(std::string, checkpoint, "", "A step directory to load; default: the run's newest valid checkpoint");
@@ -70,12 +72,7 @@ int Run() {
     return Usage(config_path.string() + ": model.name is '" + cfg->model().name() + "', not gpt: nothing to sample");
   }
   ConfigureTorchForTraining(cfg->num_threads());
-  const ModelOptions model_options = ToModelOptions(cfg->model());
-  auto model = std::make_shared<GptImpl>(model_options.gpt);
-  TrainState state = MakeTrainState(model, MakeOptimizerFactory(ToOptimizerOptions(cfg->optimizer())));
-
   CheckpointOptions options = ToCheckpointOptions(*cfg);
-  CheckpointManager manager(options, /*rank=*/0, /*world_size=*/1, nullptr);
   FoundCheckpoint found;
   if (!absl::GetFlag(FLAGS_checkpoint).empty()) {
     found = CheckpointManager::Validate(absl::GetFlag(FLAGS_checkpoint));
@@ -86,6 +83,19 @@ int Run() {
     if (!latest) throw CheckpointError("no valid checkpoint in '" + options.directory + "'");
     found = *latest;
   }
+  // The model as the checkpoint was trained: its manifest keeps that config (a
+  // later start of the run with other settings rewrites config.textproto).
+  absl::StatusOr<config::TrainerConfig> trained = ParseConfig(found.manifest->config_text(), found.path + " (manifest)");
+  if (!trained.ok()) throw CheckpointError(std::string(trained.status().message()));
+  if (trained->model().name() != "gpt") {
+    return Usage(found.path + ": trained model.name '" + trained->model().name() + "', not gpt: nothing to sample");
+  }
+  options.config_text = found.manifest->config_text();
+  options.config_fingerprint = StableHash(options.config_text);
+  const ModelOptions model_options = ToModelOptions(trained->model());
+  auto model = std::make_shared<GptImpl>(model_options.gpt);
+  TrainState state = MakeTrainState(model, MakeOptimizerFactory(ToOptimizerOptions(trained->optimizer())));
+  CheckpointManager manager(options, /*rank=*/0, /*world_size=*/1, nullptr);
   manager.Restore(found, state);
   std::fprintf(stderr, "lockstep_sample: %s (step %lld, written by %d rank(s)); temperature %g, top_k %d, seed %llu\n",
                found.path.c_str(), static_cast<long long>(found.step), found.world_size, temperature, top_k,

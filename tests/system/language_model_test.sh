@@ -65,6 +65,12 @@ head -c 12 "$work/sample1.txt" | grep -q "^And God said$" || fail "the sample do
 grep -q "step_00000040 (step 40, written by 2 rank(s))" "$work/sample.err" || { cat "$work/sample.err"; fail "not the last checkpoint"; }
 "$sample" --run="$work/two" --prompt="And God said" --tokens=60 --seed=4 > "$work/sample3.txt" 2>/dev/null
 cmp -s "$work/sample1.txt" "$work/sample3.txt" && fail "another seed gave the same text"
+# A later start with other settings rewrites config.textproto; the sampler builds
+# the model the checkpoint's manifest records.
+sed -i -E 's/^num_train_steps: .*/num_train_steps: 99/; s/^  decay_steps: .*/  decay_steps: 77/' "$work/two/config.textproto"
+"$sample" --run="$work/two" --prompt="And God said" --tokens=60 --seed=3 > "$work/sample4.txt" 2>> "$work/sample.err" ||
+  { cat "$work/sample.err"; fail "lockstep_sample after config.textproto changed"; }
+cmp -s "$work/sample1.txt" "$work/sample4.txt" || fail "the sample changed with config.textproto"
 "$train" --set="data.source=SYNTHETIC,model.name=mlp,num_train_steps=2,output_dir=$work/mlp" > /dev/null 2>&1
 set +e
 "$sample" --run="$work/mlp" > /dev/null 2> "$work/mlp.err"
