@@ -179,7 +179,7 @@ train() {  # train LABEL BACKEND
   local dir=$RUNS/$1
   rm -rf "$dir"
   "$B/lockstep_train" --config=configs/kjv_gpt.textproto --resume=none \
-    "--set=device=cuda:0,backend=$2,num_train_steps=$STEPS,eval_every_steps=$((STEPS / 2)),summary_every_steps=100,output_dir=$dir,progress=lines"
+    "--set=device=cuda:0,backend=$2,num_train_steps=$STEPS,eval_every_steps=$((STEPS / 2)),summary_every_steps=100,output_dir=$dir,progress=lines,checkpoint.every_steps=$((STEPS / 2))"
   local rc=$?
   echo "--- $dir: $(ls "$dir" 2>/dev/null | tr '\n' ' ')"
   return $rc
@@ -189,11 +189,12 @@ if have "$B/lockstep_train" lockstep_train; then
   [[ -f build/data/kjv/train.bin ]] || note "WARNING: build/data/kjv/train.bin missing (carry build/data/kjv)"
   stage "train cuda, 1 process" 120 "$OUT/train_single.log" train single auto
   stage "train cuda, nccl" 120 "$OUT/train_nccl.log" train nccl nccl
-  # The NCCL run's last checkpoint (CUDA parameters, saved to the host) resumes
-  # on the GPU and trains 100 more steps.
+  # The NCCL run's checkpoint halfway (CUDA parameters, saved to the host)
+  # resumes on the GPU in another output_dir and trains to the end.
   resume() {
-    "$B/lockstep_train" --config=configs/kjv_gpt.textproto --resume=auto \
-      "--set=device=cuda:0,backend=nccl,num_train_steps=$((STEPS + 100)),eval_every_steps=$((STEPS / 2)),summary_every_steps=100,output_dir=$RUNS/nccl,progress=lines"
+    "$B/lockstep_train" --config=configs/kjv_gpt.textproto \
+      "--resume=$RUNS/nccl/checkpoints/step_$(printf %08d $((STEPS / 2)))" \
+      "--set=device=cuda:0,backend=nccl,num_train_steps=$STEPS,eval_every_steps=$((STEPS / 2)),summary_every_steps=100,output_dir=$RUNS/resumed,progress=lines,checkpoint.every_steps=$((STEPS / 2))"
   }
   export -f resume
   stage "resume cuda, nccl" 90 "$OUT/train_nccl.log" resume
