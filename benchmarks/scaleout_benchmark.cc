@@ -26,6 +26,12 @@
 // phase and no breakdown loop: both drive the optimizer outside the sharded step,
 // and it now holds this rank's slices only.
 //
+// --mesh_model=M (the GPT): the ranks form a (ranks / M) x M mesh, the model is
+// split over the model axis as DefaultTransformerRules say and trained data
+// parallel over the data axis; --global_batch fixes the examples per step so that
+// meshes of the same world compare at the same work. The JSON adds the mesh and
+// the bytes per rank; there is no nosync phase.
+//
 // --mode=collectives: all-reduce of float32 messages of each size, the
 // Communicator against raw MPI_Allreduce on MPI_COMM_WORLD, in the same run: on
 // a buffer from AllocateCollectiveBuffer, as gradient buckets use ("lockstep_s"),
@@ -53,6 +59,7 @@
 #include "absl/flags/parse.h"
 #include "lockstep/data.h"
 #include "lockstep/gpt.h"
+#include "lockstep/mesh.h"
 #include "lockstep/models.h"
 #include "lockstep/mpi_communicator.h"
 #include "lockstep/runtime.h"
@@ -80,6 +87,12 @@ ABSL_FLAG(int64_t, chunk_kib, 1024, "the MPI communicator's chunk size (MpiOptio
 ABSL_FLAG(int, chunks_in_flight, 4, "the MPI communicator's MpiOptions::chunks_in_flight");
 ABSL_FLAG(bool, shared_memory_buffers, true,
           "the MPI communicator's MpiOptions::shared_memory_buffers (gradient buckets in shared memory on one host)");
+ABSL_FLAG(int, mesh_model, 1,
+          "the model axis of a data x model mesh (gpt only): each model is split over this many ranks (tensor "
+          "parallelism, DefaultTransformerRules), data replicas = ranks / mesh_model");
+ABSL_FLAG(int64_t, global_batch, 0,
+          "examples per step over all data replicas (each takes global_batch / replicas); 0: batch_per_rank x "
+          "replicas (weak scaling)");
 ABSL_FLAG(std::string, sizes, "8,4096,65536,262144,1048576,4194304,16777216,67108864",
           "collectives: message sizes in bytes, comma-separated");
 
@@ -292,8 +305,33 @@ int RunTrain(Communicator& comm, const Runtime& runtime) {
                                "' (replicated, sharded_optimizer_state, sharded_gradients, ...)");
   }
 
+  // A data x model mesh: the model splits itself over the model axis.
+  const int mesh_model = absl::GetFlag(FLAGS_mesh_model);
+  if (mesh_model < 1 || world % mesh_model != 0) {
+    throw InvalidArgumentError("--mesh_model must divide the number of ranks (" + std::to_string(world) + ")");
+  }
+  if (mesh_model > 1 && spec.sequence_length == 0) throw InvalidArgumentError("--mesh_model above 1 needs --model=gpt");
+  const MeshShape mesh_shape{world / mesh_model, mesh_model};
+  std::unique_ptr<DeviceMesh> mesh;
+  std::unique_ptr<Partitioner> partitioner;
+  GptParallelism parallel;
+  if (mesh_model > 1) {
+    mesh = DeviceMesh::Create(&comm, mesh_shape);
+    partitioner = std::make_unique<Partitioner>(DefaultTransformerRules(), mesh_shape);
+    parallel = GptParallelism{mesh->model(), mesh->model_index(), partitioner.get()};
+  }
+  const int64_t global_batch = absl::GetFlag(FLAGS_global_batch);
+  if (global_batch < 0 || (global_batch > 0 && global_batch % mesh_shape.data != 0)) {
+    throw InvalidArgumentError("--global_batch must be a multiple of the data replicas (" +
+                               std::to_string(mesh_shape.data) + ")");
+  }
+  const int64_t replica_batch = global_batch > 0 ? global_batch / mesh_shape.data : batch;
+  const int data_index = comm.rank() / mesh_model;
+
   at::manual_seed(0);
-  BuiltModel model = BuildModel(spec.options);
+  BuiltModel model = mesh ? BuildGpt(spec.options.gpt, parallel) : BuildModel(spec.options);
+  std::vector<ParameterLayout> layouts;
+  if (mesh) layouts = std::dynamic_pointer_cast<GptImpl>(model.module)->layouts();
   TrainState state = MakeTrainState(model.module, MakeOptimizerFactory(Optimizer(absl::GetFlag(FLAGS_optimizer))));
   int64_t grad_bytes = 0;
   std::vector<double> parameter_bytes;  // in registration order
@@ -307,13 +345,20 @@ int RunTrain(Communicator& comm, const Runtime& runtime) {
   options.communicator = &comm;
   options.data_parallel.bucket_bytes = static_cast<size_t>(absl::GetFlag(FLAGS_bucket_mb) * (1 << 20));
   options.partitioning = *partitioning;
-  const LossFn loss_fn = spec.sequence_length > 0 ? LanguageModelLoss() : CrossEntropyLoss();
+  options.mesh = mesh.get();
+  options.parameter_layouts = layouts;
+  if (mesh) options.communicator = nullptr;  // the mesh's world
+  LossFn loss_fn = CrossEntropyLoss();
+  if (spec.sequence_length > 0) {
+    const auto* gpt = dynamic_cast<const GptImpl*>(model.module.get());
+    loss_fn = LanguageModelLoss(gpt->vocab_axis(), gpt->vocab_begin());
+  }
   Trainer sync(state, model.apply, loss_fn, options, runtime);
   DataParallel* dp = sync.data_parallel();
   ShardedDataParallel* sharded = sync.sharded_data_parallel();
   // The nosync phase: a Trainer on the same state without a communicator. Not
   // under a sharded strategy, whose optimizer now updates this rank's slices only.
-  const bool nosync = world > 1 && sharded == nullptr && absl::GetFlag(FLAGS_nosync_phase);
+  const bool nosync = world > 1 && sharded == nullptr && !mesh && absl::GetFlag(FLAGS_nosync_phase);
   std::unique_ptr<Trainer> alone;
   if (nosync) {
     TrainerOptions alone_options = options;
@@ -326,7 +371,8 @@ int RunTrain(Communicator& comm, const Runtime& runtime) {
     return dp != nullptr ? dp->communication_wait_seconds()
                          : sharded != nullptr ? sharded->communication_wait_seconds() : 0.0;
   };
-  CyclingIterator data(spec, batch, comm.rank());
+  // The ranks of one model-axis group take the same batches.
+  CyclingIterator data(spec, replica_batch, data_index);
 
   std::vector<double> sync_times, nosync_times, wait_times, bucket_wait_times;
   // One Train call per phase, as in training; each step is timed from the callback
@@ -414,7 +460,10 @@ int RunTrain(Communicator& comm, const Runtime& runtime) {
   json.Str("framework", "lockstep")
       .Str("model", model_name)
       .Num("ranks", world)
-      .Num("batch_per_rank", static_cast<double>(batch))
+      .Num("batch_per_rank", static_cast<double>(replica_batch))
+      .Num("mesh_data", mesh_shape.data)
+      .Num("mesh_model", mesh_shape.model)
+      .Num("global_batch", static_cast<double>(replica_batch * mesh_shape.data))
       .Num("threads", at::get_num_threads())
       .Str("optimizer", absl::GetFlag(FLAGS_optimizer))
       .Str("partitioning", partitioning_name)
@@ -523,6 +572,7 @@ int Main() {
   mpi.chunk_bytes = static_cast<size_t>(absl::GetFlag(FLAGS_chunk_kib)) << 10;
   mpi.chunks_in_flight = absl::GetFlag(FLAGS_chunks_in_flight);
   mpi.shared_memory_buffers = absl::GetFlag(FLAGS_shared_memory_buffers);
+  mpi.thread_multiple = absl::GetFlag(FLAGS_mesh_model) > 1;  // the mesh's axes run side by side
   std::unique_ptr<Communicator> comm = MakeMpiCommunicator(mpi);
   const std::string mode = absl::GetFlag(FLAGS_mode);
   if (mode == "train") return RunTrain(*comm, runtime);
