@@ -116,14 +116,18 @@ ParameterLayout Partitioner::Layout(const std::string& name, const std::vector<i
 }
 
 std::string Partitioner::Table(const std::vector<ParameterLayout>& layouts, const MeshShape& shape) {
-  size_t width = 9;
-  for (const ParameterLayout& l : layouts) width = std::max(width, l.name.size());
-  std::string out = absl::StrFormat("Mesh %s; parameter layouts:\n%-*s  %-44s  %12s\n", DescribeMesh(shape),
-                                    static_cast<int>(width), "parameter", "layout", "bytes/rank");
+  size_t width = 9, layout_width = 6;
+  for (const ParameterLayout& l : layouts) {
+    width = std::max(width, l.name.size());
+    layout_width = std::max(layout_width, l.Describe().size());
+  }
+  std::string out = absl::StrFormat("Mesh %s; parameter layouts:\n%-*s  %-*s  %10s\n", DescribeMesh(shape),
+                                    static_cast<int>(width), "parameter", static_cast<int>(layout_width), "layout",
+                                    "bytes/rank");
   int64_t total = 0, per_rank = 0, sharded_total = 0, sharded_per_rank = 0;
   for (const ParameterLayout& l : layouts) {
-    absl::StrAppendFormat(&out, "%-*s  %-44s  %12d\n", static_cast<int>(width), l.name, l.Describe(),
-                          l.bytes_per_rank());
+    absl::StrAppendFormat(&out, "%-*s  %-*s  %10d\n", static_cast<int>(width), l.name,
+                          static_cast<int>(layout_width), l.Describe(), l.bytes_per_rank());
     total += l.global_numel() * l.element_size;
     per_rank += l.bytes_per_rank();
     if (l.sharded()) {
