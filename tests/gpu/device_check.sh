@@ -17,7 +17,7 @@
 #      lockstep_train on configs/kjv_gpt.textproto on cuda:0 with the 1-process
 #      default (no communicator) and with backend nccl (a 1-rank NCCL
 #      communicator), then lockstep_sample on the NCCL run; the PyTorch reference
-#      of the same GPT on cuda:0 (tests/gpu/gpt_reference_cuda.py).
+#      of the same GPT on cuda:0 (tests/system/gpt_reference.py train --device cuda:0).
 # Everything is logged under $OUT (7 files, no folders): summary.txt, env.txt,
 # build.log, tests.log, train_single.log, train_nccl.log, torch_ref.log; the last
 # lines on stdout are the summary and the compile errors.
@@ -203,7 +203,8 @@ if have "$B/lockstep_train" lockstep_train; then
       "--prompt=And God said" --tokens=200 --seed=1
   fi
 fi
-stage "torch reference" 150 "$OUT/torch_ref.log" "$PY" tests/gpu/gpt_reference_cuda.py --device cuda:0 --steps "$STEPS"
+stage "torch reference" 150 "$OUT/torch_ref.log" "$PY" tests/system/gpt_reference.py train --device cuda:0 \
+  --steps "$STEPS" --eval-every 0 --token-dir build/data/kjv
 
 # --- the digest ------------------------------------------------------------------------
 {

@@ -46,7 +46,7 @@ class Block(nn.Module):
         q, k, v = self.qkv(self.ln1(x)).split(w, dim=2)
         q, k, v = (z.view(b, t, self.heads, w // self.heads).transpose(1, 2) for z in (q, k, v))
         scores = (q @ k.transpose(-2, -1)) / math.sqrt(w // self.heads)
-        causal = torch.ones(t, t, dtype=torch.bool).tril()
+        causal = torch.ones(t, t, dtype=torch.bool, device=x.device).tril()
         scores = scores.masked_fill(~causal, float("-inf"))
         y = (scores.softmax(dim=-1) @ v).transpose(1, 2).reshape(b, t, w)
         x = x + self.attn_proj(y)
@@ -62,7 +62,7 @@ class Gpt(nn.Module):
         self.ln_f = nn.LayerNorm(width)
 
     def forward(self, tokens):
-        positions = torch.arange(tokens.shape[1])
+        positions = torch.arange(tokens.shape[1], device=tokens.device)
         x = self.wte(tokens) + self.wpe(positions)
         for block in self.blocks:
             x = block(x)
@@ -135,12 +135,14 @@ def train(args):
                                 dtype=torch.uint8).long()
     t = args.context
     model = Gpt(256, args.context, args.layers, args.heads, args.width)
-    init_like_lockstep(model, args.layers)
+    init_like_lockstep(model, args.layers)  # on the CPU generator, wherever the model then goes
+    device = torch.device(args.device)
+    model.to(device)
     optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, betas=(0.9, args.beta2), eps=1e-8,
                                   weight_decay=args.weight_decay)
     windows = (len(tokens) - 1) // t
     batches_per_epoch = max(1, windows // args.batch)
-    decay_steps = args.steps - args.warmup
+    decay_steps = max(1, args.steps - args.warmup)
 
     def lr_at(step):
         factor = (step + 1) / args.warmup if args.warmup > 0 and step < args.warmup else 1.0
@@ -154,7 +156,7 @@ def train(args):
         with torch.no_grad():
             for b in range(0, n, args.eval_batch):
                 starts = torch.arange(b, min(n, b + args.eval_batch)) * t
-                w = torch.stack([held_out[s:s + t + 1] for s in starts.tolist()])
+                w = torch.stack([held_out[s:s + t + 1] for s in starts.tolist()]).to(device)
                 logits = model(w[:, :-1])
                 total += F.cross_entropy(logits.reshape(-1, 256), w[:, 1:].reshape(-1), reduction="sum").item()
                 count += w.shape[0] * t
@@ -162,10 +164,11 @@ def train(args):
         return total / count
 
     running, seen, started = 0.0, 0, time.perf_counter()
+    first, timed_tokens, timed_seconds = time.perf_counter(), 0, 0.0
     for step in range(args.steps):
         epoch, batch = divmod(step, batches_per_epoch)
         starts = [window_start(args.seed, epoch, batch, i, len(tokens), t) for i in range(args.batch)]
-        w = torch.stack([tokens[s:s + t + 1] for s in starts])
+        w = torch.stack([tokens[s:s + t + 1] for s in starts]).to(device)
         for group in optimizer.param_groups:
             group["lr"] = lr_at(step)
         optimizer.zero_grad()
@@ -179,13 +182,20 @@ def train(args):
         seen += 1
         done = step + 1
         if done % args.summary == 0:
-            elapsed = time.perf_counter() - started
+            elapsed = time.perf_counter() - started  # loss.item() waited for the step's kernels
             print(f"step {done}: train loss {running / seen:.6f} ({seen * args.batch * t / elapsed:.0f} tokens/s)",
                   flush=True)
+            if done > args.summary:  # after the first period (warm-up)
+                timed_tokens += seen * args.batch * t
+                timed_seconds += elapsed
             running, seen, started = 0.0, 0, time.perf_counter()
         if (args.eval_every > 0 and done % args.eval_every == 0) or done == args.steps:
             print(f"step {done}: test loss {evaluate():.6f}", flush=True)
             started = time.perf_counter()
+    memory = f", peak memory {torch.cuda.max_memory_allocated(device) / 2**20:.0f} MiB" if device.type == "cuda" else ""
+    rate = f", {timed_tokens / timed_seconds:.0f} tokens/s after the first {args.summary} steps" if timed_seconds else ""
+    print(f"reference: torch {torch.__version__} on {device}, {args.steps} steps in {time.perf_counter() - first:.1f} s"
+          f"{rate}{memory}", flush=True)
 
 
 def main():
@@ -213,6 +223,7 @@ def main():
     t.add_argument("--eval-every", type=int, default=500)
     t.add_argument("--eval-batch", type=int, default=128)
     t.add_argument("--threads", type=int, default=1)
+    t.add_argument("--device", default="cpu", help="cpu or cuda:N (the initial weights are drawn on the CPU)")
     args = parser.parse_args()
     torch.set_num_threads(getattr(args, "threads", 1))
     if args.command == "parity":

@@ -33,11 +33,7 @@ fail() { echo "FAIL: $*"; exit 1; }
 
 flags="data.source=SYNTHETIC,model.name=mlp,model.hidden_units=37,data.global_batch_size=24,optimizer.kind=ADAM"
 flags+=",eval_every_steps=0,summary_every_steps=2,progress=lines,bucket_mb=0.02,num_microbatches=2,max_grad_norm=0.5"
-step_dir() { echo "$1/checkpoints/step_$(printf %08d "$2")"; }
-consolidated() {  # consolidated OUTPUT_DIR STEP -> path of the consolidated file
-  "$ckpt" consolidate "$(step_dir "$1" "$2")" "$1/step_$2.pt" > /dev/null || fail "consolidate $1 step $2"
-  echo "$1/step_$2.pt"
-}
+source "$source_dir/tests/system/checkpoint_helpers.sh"  # step_dir, consolidated
 launch() {  # launch RANKS STRATEGY OUTPUT_DIR STEPS LOG [lockstep_train flags...]
   local ranks=$1 strategy=$2 dir=$3 steps=$4 log=$5
   shift 5

@@ -30,11 +30,7 @@ flags="model.num_layers=2,model.num_heads=4,model.width=32,model.context_length=
 flags+=",data.global_batch_size=8,data.eval_batch_size=256,summary_every_steps=2,eval_every_steps=4"
 flags+=",progress=lines,optimizer.learning_rate=0.003,max_grad_norm=0.5,checkpoint.every_steps=4"
 config="--config=$source_dir/configs/kjv_gpt.textproto"
-step_dir() { echo "$1/checkpoints/step_$(printf %08d "$2")"; }
-consolidated() {  # consolidated OUTPUT_DIR STEP -> path of the consolidated file
-  "$ckpt" consolidate "$(step_dir "$1" "$2")" "$1/step_$2.pt" > /dev/null || fail "consolidate $1 step $2"
-  echo "$1/step_$2.pt"
-}
+source "$source_dir/tests/system/checkpoint_helpers.sh"  # step_dir, consolidated
 launch() {  # launch RANKS MESH_MODEL OUTPUT_DIR STEPS LOG [lockstep_train flags...]
   local ranks=$1 model=$2 dir=$3 steps=$4 log=$5
   shift 5
