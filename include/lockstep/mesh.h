@@ -105,6 +105,8 @@ struct ParameterLayout {
 
   bool sharded() const { return split_dim >= 0; }
   int64_t global_numel() const;
+  // This rank's shape: the global shape with the split dimension divided by parts.
+  std::vector<int64_t> local_shape() const;
   int64_t bytes_per_rank() const;
   // "[768, 128] -> [384, 128] over model" or "[128] replicated".
   std::string Describe() const;

@@ -48,8 +48,9 @@ at::Tensor RowParallelLinear(const at::Tensor& x_local, const at::Tensor& weight
 // Embeddings of `tokens` (int64, any shape) from a table split by rows: this rank
 // holds rows [vocab_begin, vocab_begin + weight_local.size(0)). Tokens outside
 // this rank's rows contribute zeros; the sum over the model axis (g) is every
-// token's row. The result is replicated. Throws InvalidArgumentError for a token
-// outside the whole vocabulary (model-axis size x local rows).
+// token's row. The result is replicated. Split, throws InvalidArgumentError for a
+// token outside the whole vocabulary (model-axis size x local rows); alone, it is
+// at::embedding, whose own check refuses such a token.
 at::Tensor VocabParallelEmbedding(const at::Tensor& tokens, const at::Tensor& weight_local, int64_t vocab_begin,
                                   Communicator* model);
 

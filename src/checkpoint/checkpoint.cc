@@ -709,9 +709,7 @@ void CheckpointManager::Save(const TrainState& state, const ShardExtras& extras,
       if (model_axis_ == nullptr) return value;
       auto split = split_.find(name);
       if (split == split_.end()) return value;
-      std::vector<int64_t> shape = split->second.global_shape;
-      shape[split->second.split_dim] /= split->second.parts;
-      if (value.sizes().vec() != shape) return value;  // a scalar of the optimizer's, say
+      if (value.sizes().vec() != split->second.local_shape()) return value;  // a scalar of the optimizer's, say
       return GatherShards(value.detach(), split->second, model_axis_);
     };
     for (const auto& item : state.model->named_parameters()) {
@@ -1117,9 +1115,7 @@ ShardExtras CheckpointManager::Restore(const FoundCheckpoint& found, TrainState&
                           const at::Tensor& like) -> at::Tensor {
     auto split = split_.find(name);
     if (model_axis_ == nullptr || split == split_.end() || !like.defined()) return from.Whole(key, like);
-    std::vector<int64_t> shape = split->second.global_shape;
-    shape[split->second.split_dim] /= split->second.parts;
-    if (like.sizes().vec() != shape) return from.Whole(key, like);
+    if (like.sizes().vec() != split->second.local_shape()) return from.Whole(key, like);
     const at::Tensor whole_like = at::empty(split->second.global_shape, like.options().requires_grad(false));
     return ShardOf(from.Whole(key, whole_like), split->second, model_index_);
   };

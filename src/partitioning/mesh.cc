@@ -50,14 +50,18 @@ int64_t ParameterLayout::global_numel() const {
   return n;
 }
 
+std::vector<int64_t> ParameterLayout::local_shape() const {
+  std::vector<int64_t> shape = global_shape;
+  if (sharded()) shape[split_dim] /= parts;
+  return shape;
+}
+
 int64_t ParameterLayout::bytes_per_rank() const { return global_numel() / parts * element_size; }
 
 std::string ParameterLayout::Describe() const {
   const std::string global = absl::StrCat("[", absl::StrJoin(global_shape, ", "), "]");
   if (!sharded()) return global + " replicated";
-  std::vector<int64_t> local = global_shape;
-  local[split_dim] /= parts;
-  return absl::StrCat(global, " -> [", absl::StrJoin(local, ", "), "] split on ", axes[split_dim], " over model");
+  return absl::StrCat(global, " -> [", absl::StrJoin(local_shape(), ", "), "] split on ", axes[split_dim], " over model");
 }
 
 Partitioner::Partitioner(PartitionRules rules, MeshShape shape) : rules_(std::move(rules)), shape_(shape) {

@@ -111,8 +111,12 @@ at::Tensor RowParallelLinear(const at::Tensor& x_local, const at::Tensor& weight
 
 at::Tensor VocabParallelEmbedding(const at::Tensor& tokens, const at::Tensor& weight_local, int64_t vocab_begin,
                                   Communicator* model) {
+  // Alone, at::embedding checks the tokens itself; split, a token outside every
+  // rank's rows would be masked to zeros, so they are checked here (two host
+  // syncs, on the split path only).
+  if (Alone(model)) return at::embedding(weight_local, tokens);
   const int64_t local = weight_local.size(0);
-  const int64_t vocab = local * (Alone(model) ? 1 : model->world_size());
+  const int64_t vocab = local * model->world_size();
   if (tokens.numel() > 0) {
     const int64_t lo = tokens.min().item<int64_t>(), hi = tokens.max().item<int64_t>();
     if (lo < 0 || hi >= vocab) {
@@ -120,7 +124,6 @@ at::Tensor VocabParallelEmbedding(const at::Tensor& tokens, const at::Tensor& we
                                               vocab));
     }
   }
-  if (Alone(model)) return at::embedding(weight_local, tokens);
   const at::Tensor mine = (tokens >= vocab_begin) & (tokens < vocab_begin + local);
   const at::Tensor index = (tokens - vocab_begin).masked_fill(~mine, 0);
   const at::Tensor rows = at::embedding(weight_local, index).masked_fill(~mine.unsqueeze(-1), 0);

@@ -125,9 +125,7 @@ RunResult TrainGpt(const DeviceMesh* mesh, const Partitioner* partitioner) {
   for (const ParameterLayout& layout : model->layouts()) {
     const at::Tensor local = named[layout.name].detach();
     // Each rank holds its shard's shape.
-    std::vector<int64_t> shape = layout.global_shape;
-    if (layout.sharded()) shape[layout.split_dim] /= layout.parts;
-    EXPECT_EQ(local.sizes().vec(), shape) << layout.name;
+    EXPECT_EQ(local.sizes().vec(), layout.local_shape()) << layout.name;
     result.names.push_back(layout.name);
     result.params.push_back(GatherShards(local, layout, mesh != nullptr ? mesh->model() : nullptr));
   }
