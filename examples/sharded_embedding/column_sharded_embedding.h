@@ -1,13 +1,14 @@
-// A [vocab, dim] embedding table split by columns over the ranks of a job, and the
-// mean-of-bag lookup over it as a differentiable, communicating op.
+// A [vocab, dim] embedding table split by columns over the ranks of a group (the
+// model axis of a mesh, or a whole job), and the mean-of-bag lookup over it as a
+// differentiable, communicating op.
 //
-// Rank r of N holds columns [r * dim / N, (r + 1) * dim / N) of every row. A lookup
-// works on the ids of the whole global batch (every rank's examples, gathered
-// first, see GatherGlobalBatch): each rank averages its column slice over the bag
-// of every global example, and one all-gather gives each rank its own examples
-// with all `dim` columns. Backward is the transpose: one all-gather of the output
-// gradients gives each rank the gradient of its columns for every global example,
-// which it scatters into the rows of its shard. The result equals the unsharded
+// Rank r of the group's N holds columns [r * dim / N, (r + 1) * dim / N) of every
+// row. A lookup works on the ids of every example of the group (each rank's
+// examples, gathered first, see GatherGlobalBatch): each rank averages its column
+// slice over the bag of every one of them, and one all-gather gives each rank its
+// own examples with all `dim` columns. Backward is the transpose: one all-gather
+// of the output gradients gives each rank the gradient of its columns for every
+// example of the group, which it scatters into the rows of its shard. The result equals the unsharded
 // table's lookup and gradient exactly (up to float rounding in the dense layers).
 //
 // SPMD rule: every rank calls GatherGlobalBatch and ShardedBagMean (and runs the

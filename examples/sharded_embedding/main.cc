@@ -1,10 +1,12 @@
 // sharded_embedding: trains a bag-of-tokens classifier on synthetic text, with its
-// embedding table split by columns over the ranks of an MPI job, through Lockstep's
-// BaseTrainer, communicator and data iterator, and Lockstep's job layer for
-// checkpoints, resume and preemption. See README.md.
+// embedding table split by columns over the model axis of a data x model mesh of
+// MPI ranks, through Lockstep's BaseTrainer, mesh, partitioner, communicators and
+// data iterator, and Lockstep's job layer for checkpoints, resume and preemption.
+// See README.md.
 //
-//   mpirun -np 2 build/sharded_embedding --steps=300 --check
-//   mpirun -np 2 build/sharded_embedding --checkpoint_dir=runs/emb   # resumes if stopped
+//   mpirun -np 2 build/sharded_embedding --steps=300 --check            # 1x2: the table over both
+//   mpirun -np 4 build/sharded_embedding --mesh_model=2 --check         # 2x2
+//   mpirun -np 2 build/sharded_embedding --checkpoint_dir=runs/emb      # resumes if stopped
 //
 // Exit codes: 0 done (and with --check, the sharded model matched the unsharded
 // one), 1 a failure or a failed check, 2 a bad flag, 3 the loss became NaN,
@@ -24,6 +26,7 @@
 #include "absl/flags/parse.h"
 #include "absl/flags/usage.h"
 #include "absl/strings/str_cat.h"
+#include "absl/strings/str_split.h"
 #include "absl/time/time.h"
 #include "lockstep/checkpoint.h"
 #include "lockstep/communicator.h"
@@ -31,6 +34,7 @@
 #include "lockstep/errors.h"
 #include "lockstep/hashing.h"
 #include "lockstep/job.h"
+#include "lockstep/mesh.h"
 #include "lockstep/metrics.h"
 #include "lockstep/runtime.h"
 #include "lockstep/torch_setup.h"
@@ -40,7 +44,12 @@
 
 ABSL_FLAG(int64_t, steps, 300, "optimizer steps");
 ABSL_FLAG(int64_t, vocab_size, 1000, "rows of the embedding table (token ids)");
-ABSL_FLAG(int64_t, embedding_dim, 32, "columns of the embedding table; a multiple of the number of ranks");
+ABSL_FLAG(int64_t, embedding_dim, 32, "columns of the embedding table; a multiple of the model axis");
+ABSL_FLAG(int, mesh_model, 0,
+          "ranks on the model axis of the data x model mesh (0: all of them, data 1); must divide the world size");
+ABSL_FLAG(std::string, rules, "embed:model",
+          "partitioning rules, LOGICAL:MESH pairs separated by commas, the first naming an axis wins; the table's "
+          "axes are vocab and embed; MESH empty (embed:) replicates");
 ABSL_FLAG(int64_t, hidden_dim, 64, "width of the hidden dense layer");
 ABSL_FLAG(int64_t, num_classes, 4, "classes");
 ABSL_FLAG(int64_t, bag_size, 8, "tokens per example");
@@ -85,6 +94,18 @@ lockstep::TensorDataset MakeBags(const at::Tensor& teacher, int64_t num_examples
   return data;
 }
 
+// "--rules" as PartitionRules: "embed:model,vocab:" -> {embed -> model, vocab -> replicated}.
+lockstep::PartitionRules ParseRules(const std::string& text) {
+  lockstep::PartitionRules rules;
+  for (absl::string_view item : absl::StrSplit(text, ',', absl::SkipWhitespace())) {
+    std::vector<std::string> parts = absl::StrSplit(item, ':');
+    Require(parts.size() == 2 && !parts[0].empty(),
+            "--rules: '" + std::string(item) + "' is not LOGICAL:MESH (say embed:model, or embed: to replicate)");
+    rules.push_back({parts[0], parts[1]});
+  }
+  return rules;
+}
+
 // The flags a resumed run must share with its checkpoint (not how long it runs,
 // how it reports or where it checkpoints).
 std::string ResumeRelevantFlags() {
@@ -110,8 +131,23 @@ int Run(std::unique_ptr<lockstep::JobEnvironment>& environment) {
   Require(steps >= 0, "--steps must be >= 0");
   Require(vocab > 0 && classes > 1 && bag > 0 && absl::GetFlag(FLAGS_hidden_dim) > 0,
           "--vocab_size, --hidden_dim and --bag_size must be positive, --num_classes at least 2");
-  Require(dim > 0 && dim % world == 0, "--embedding_dim=" + std::to_string(dim) + " must be a positive multiple of " +
-                                           "the number of ranks (" + std::to_string(world) + ")");
+  const int mesh_model = absl::GetFlag(FLAGS_mesh_model) == 0 ? world : absl::GetFlag(FLAGS_mesh_model);
+  Require(mesh_model > 0 && world % mesh_model == 0,
+          "--mesh_model=" + std::to_string(mesh_model) + " must divide the number of ranks (" + std::to_string(world) +
+              ")");
+  const lockstep::MeshShape mesh_shape{world / mesh_model, mesh_model};
+  Require(dim > 0, "--embedding_dim must be positive");
+  // The table's layout from the rules; a model axis that does not divide the split
+  // dimension, or an unknown mesh axis, is an InvalidArgumentError naming it (exit 2).
+  const lockstep::Partitioner partitioner(ParseRules(absl::GetFlag(FLAGS_rules)), mesh_shape);
+  const lockstep::ParameterLayout table_layout =
+      partitioner.Layout(BagClassifierImpl::kTableName, {vocab, dim}, BagClassifierImpl::TableAxes());
+  Require(!table_layout.sharded() || table_layout.split_dim == 1,
+          "--rules split the rows ('vocab') of " + table_layout.name + "; this example splits its columns: " +
+              "--rules=embed:model");
+  Require(table_layout.sharded() || mesh_shape.model == 1,
+          "--rules leave " + table_layout.name + " whole on a model axis of " + std::to_string(mesh_shape.model) +
+              " ranks, which would hold copies: split 'embed' over 'model', or --mesh_model=1");
   Require(global_batch >= world, "--global_batch_size must be at least the number of ranks");
   Require(absl::GetFlag(FLAGS_num_train_examples) >= global_batch && absl::GetFlag(FLAGS_num_eval_examples) > 0,
           "--num_train_examples must be at least --global_batch_size, --num_eval_examples positive");
@@ -127,6 +163,9 @@ int Run(std::unique_ptr<lockstep::JobEnvironment>& environment) {
   env_options.device = "cpu";
   env_options.collective_timeout = absl::Seconds(absl::GetFlag(FLAGS_collective_timeout_seconds));
   env_options.program = "sharded_embedding";
+  // Two axes of more than one rank split the world with MPI_Comm_split and use
+  // both communicators, one after the other, in every step.
+  env_options.mpi_thread_multiple = mesh_shape.data > 1 && mesh_shape.model > 1;
   environment = lockstep::JobEnvironment::Create(env_options, runtime);
   std::unique_ptr<lockstep::Communicator> single;  // a world of one has no job communicator
   lockstep::Communicator* comm = environment->communicator();
@@ -134,6 +173,8 @@ int Run(std::unique_ptr<lockstep::JobEnvironment>& environment) {
     single = lockstep::MakeSingleProcessCommunicator();
     comm = single.get();
   }
+  const std::unique_ptr<lockstep::DeviceMesh> mesh =
+      lockstep::DeviceMesh::Create(comm, mesh_shape, environment->collective_options());
 
   // Everything random comes from the seed alone, in the same order on every rank,
   // whatever the number of ranks: data, then the full table, then the dense layers.
@@ -145,7 +186,7 @@ int Run(std::unique_ptr<lockstep::JobEnvironment>& environment) {
       std::make_shared<lockstep::TensorDataset>(MakeBags(teacher, absl::GetFlag(FLAGS_num_eval_examples), bag));
   at::manual_seed(seed + 1);
   const at::Tensor full_table = at::randn({vocab, dim});
-  auto model = BagClassifier(full_table, runtime.rank, world, absl::GetFlag(FLAGS_hidden_dim), classes);
+  auto model = BagClassifier(full_table, table_layout, mesh->model_index(), absl::GetFlag(FLAGS_hidden_dim), classes);
 
   lockstep::OptimizerOptions adam;
   adam.kind = lockstep::OptimizerOptions::Kind::kAdam;
@@ -159,7 +200,7 @@ int Run(std::unique_ptr<lockstep::JobEnvironment>& environment) {
       std::chrono::milliseconds(static_cast<int64_t>(absl::GetFlag(FLAGS_collective_timeout_seconds) * 1000));
   options.check = absl::GetFlag(FLAGS_check);
   options.optimizer_factory = factory;
-  ShardedEmbeddingTrainer trainer(state, runtime, comm, options, full_table);
+  ShardedEmbeddingTrainer trainer(state, runtime, mesh.get(), &partitioner, options, full_table);
   trainer.set_summary_every_steps(absl::GetFlag(FLAGS_summary_every_steps));
   trainer.AddSummarySink(lockstep::StdoutLogger{});  // rank 0 only
   trainer.AddAction(std::make_unique<lockstep::TerminateOnNanAction>());
@@ -175,11 +216,14 @@ int Run(std::unique_ptr<lockstep::JobEnvironment>& environment) {
   const lockstep::ShardingOptions eval_shard = shard;
 
   if (runtime.is_chief()) {
-    std::printf("sharded_embedding: %d rank(s) (%s, %s backend); embedding table %lld x %lld in %d column shard(s) "
-                "of %lld x %lld; global batch %lld, bags of %lld tokens, %lld classes\n",
-                world, runtime.launcher.c_str(), comm->backend().c_str(), static_cast<long long>(vocab),
-                static_cast<long long>(dim), world, static_cast<long long>(vocab), static_cast<long long>(dim / world),
-                static_cast<long long>(global_batch), static_cast<long long>(bag), static_cast<long long>(classes));
+    const int64_t width = table_layout.local_shape()[1];
+    std::printf("sharded_embedding: %d rank(s) (%s, %s backend), mesh %s; embedding table %lld x %lld in %d column "
+                "shard(s) of %lld x %lld; global batch %lld, bags of %lld tokens, %lld classes\n",
+                world, runtime.launcher.c_str(), comm->backend().c_str(), lockstep::DescribeMesh(mesh_shape).c_str(),
+                static_cast<long long>(vocab), static_cast<long long>(dim), table_layout.parts,
+                static_cast<long long>(vocab), static_cast<long long>(width), static_cast<long long>(global_batch),
+                static_cast<long long>(bag), static_cast<long long>(classes));
+    std::printf("%s", lockstep::Partitioner::Table({table_layout}, mesh_shape).c_str());
     std::fflush(stdout);
   }
   // Checkpoints, resume, evaluation periods and preemption: the job layer's.
@@ -188,8 +232,10 @@ int Run(std::unique_ptr<lockstep::JobEnvironment>& environment) {
     lockstep::CheckpointOptions ckpt;
     ckpt.directory = absl::GetFlag(FLAGS_checkpoint_dir);
     ckpt.every_steps = absl::GetFlag(FLAGS_checkpoint_every_steps);
-    // Each rank's shard holds its own columns: it loads on the same number of ranks only.
-    ckpt.partitioning = "sharded_embedding_columns";
+    // Each rank's shard holds its own columns: it loads on the same mesh only.
+    ckpt.partitioning = mesh_shape.data == 1 && table_layout.sharded()
+                            ? "sharded_embedding_columns"
+                            : absl::StrCat("sharded_embedding_columns_", mesh_shape.data, "x", mesh_shape.model);
     ckpt.config_text = ResumeRelevantFlags();
     ckpt.config_fingerprint = lockstep::StableHash(ckpt.config_text);
     ckpt.barrier_timeout = env_options.collective_timeout;

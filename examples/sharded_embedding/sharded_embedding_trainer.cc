@@ -33,15 +33,23 @@ double MaxAbsDiff(const at::Tensor& a, const at::Tensor& b) {
 
 }  // namespace
 
-BagClassifierImpl::BagClassifierImpl(const at::Tensor& full_table, int rank, int world_size, int64_t hidden_dim,
-                                     int64_t num_classes) {
+BagClassifierImpl::BagClassifierImpl(const at::Tensor& full_table, const lockstep::ParameterLayout& table_layout,
+                                     int model_index, int64_t hidden_dim, int64_t num_classes) {
   const int64_t dim = full_table.size(1);
-  if (world_size < 1 || dim % world_size != 0) {
-    throw lockstep::InvalidArgumentError("BagClassifier: the embedding dim " + std::to_string(dim) +
-                                         " must be a multiple of the world size " + std::to_string(world_size));
+  if (table_layout.global_shape != std::vector<int64_t>{full_table.size(0), dim}) {
+    throw lockstep::InvalidArgumentError("BagClassifier: the layout of " + table_layout.name +
+                                         " is not for a table of shape [" + std::to_string(full_table.size(0)) + ", " +
+                                         std::to_string(dim) + "]");
   }
-  const int64_t width = dim / world_size;
-  shard = register_parameter("embedding_shard", full_table.slice(1, rank * width, (rank + 1) * width).clone());
+  if (table_layout.sharded() && table_layout.split_dim != 1) {
+    throw lockstep::InvalidArgumentError(
+        "BagClassifier: the partitioning rules split the rows ('" + table_layout.axes[table_layout.split_dim] +
+        "') of " + table_layout.name + " over the model axis; this model splits its columns only: map 'embed' to "
+        "'model' (and 'vocab' to nothing)");
+  }
+  const int64_t width = table_layout.local_shape()[1];
+  column_begin = table_layout.sharded() ? model_index * width : 0;
+  shard = register_parameter(kTableName, full_table.slice(1, column_begin, column_begin + width).clone());
   hidden = register_module("hidden", torch::nn::Linear(dim, hidden_dim));
   output = register_module("output", torch::nn::Linear(hidden_dim, num_classes));
 }
@@ -92,24 +100,33 @@ struct UnshardedReference {
 };
 
 ShardedEmbeddingTrainer::ShardedEmbeddingTrainer(lockstep::TrainState& state, lockstep::Runtime runtime,
-                                                 lockstep::Communicator* communicator, ShardedEmbeddingOptions options,
-                                                 const at::Tensor& full_table)
-    : BaseTrainer(state, std::move(runtime)),
-      options_(std::move(options)),
-      group_(c10::make_intrusive<ColumnShardGroup>(
-          communicator, (options_.global_batch_size + communicator->world_size() - 1) / communicator->world_size(),
-          options_.collective)) {
-  if (dynamic_cast<BagClassifierImpl*>(state.model.get()) == nullptr || !state.optimizer) {
+                                                 const lockstep::DeviceMesh* mesh,
+                                                 const lockstep::Partitioner* partitioner,
+                                                 ShardedEmbeddingOptions options, const at::Tensor& full_table)
+    : BaseTrainer(state, std::move(runtime)), options_(std::move(options)) {
+  auto* classifier = dynamic_cast<BagClassifierImpl*>(state.model.get());
+  if (classifier == nullptr || !state.optimizer) {
     throw lockstep::InvalidArgumentError("ShardedEmbeddingTrainer: the state needs a BagClassifier and an optimizer");
   }
   if (options_.global_batch_size < 1) throw lockstep::InvalidArgumentError("global_batch_size must be positive");
-  // Metrics and eval sums are combined over these ranks, and halting is agreed
-  // with them, by BaseTrainer itself.
-  set_communicator(communicator, options_.collective);
+  // Metrics and eval sums are combined over every rank of the mesh, and halting
+  // is agreed with them, by BaseTrainer itself.
+  set_mesh(mesh, partitioner, options_.collective);
+  const int64_t parts = mesh->model()->world_size();
+  if (classifier->shard.size(1) * parts != classifier->hidden->options.in_features()) {
+    throw lockstep::InvalidArgumentError(
+        "ShardedEmbeddingTrainer: the table holds " + std::to_string(classifier->shard.size(1)) + " of " +
+        std::to_string(classifier->hidden->options.in_features()) + " columns, not 1/" + std::to_string(parts) +
+        " (the model axis): the partitioning rules must split 'embed' over 'model' on a model axis above 1");
+  }
+  const int64_t world = mesh->world()->world_size();
+  const int64_t rows_per_rank = (options_.global_batch_size + world - 1) / world;
+  group_ = c10::make_intrusive<ColumnShardGroup>(mesh->model(), rows_per_rank, options_.collective);
   if (options_.check) {
     if (!full_table.defined() || !options_.optimizer_factory) {
       throw lockstep::InvalidArgumentError("ShardedEmbeddingTrainer: check needs the full table and an optimizer factory");
     }
+    world_group_ = c10::make_intrusive<ColumnShardGroup>(mesh->world(), rows_per_rank, options_.collective);
     reference_ = std::make_unique<UnshardedReference>(full_table, model(), options_.optimizer_factory);
   }
 }
@@ -121,22 +138,21 @@ BagClassifierImpl& ShardedEmbeddingTrainer::model() { return static_cast<BagClas
 lockstep::MetricMap ShardedEmbeddingTrainer::TrainStep(const lockstep::Batch& batch) {
   BagClassifierImpl& m = model();
   m.train();
-  const GlobalBatch global = GatherGlobalBatch(*group_, batch.inputs, batch.targets);
-  if (global.num_examples == 0) throw lockstep::Error("TrainStep: the global batch is empty");
+  // The model group's examples: the lookup needs their ids on every shard.
+  const GlobalBatch group_batch = GatherGlobalBatch(*group_, batch.inputs, batch.targets);
   const int64_t n = batch.size();
 
   state().optimizer->zero_grad();
   // This rank's rows (the padding rows beyond n are dropped; their gradient is 0).
-  at::Tensor features = ShardedBagMean(m.shard, global.ids, group_).slice(0, 0, n);
+  at::Tensor features = ShardedBagMean(m.shard, group_batch.ids, group_).slice(0, 0, n);
   at::Tensor logits = m.Classify(features);
   at::Tensor losses = PerExampleCrossEntropy(logits, batch.targets);
-  // Normalised by the global batch: the sum over ranks of these losses is the
-  // global mean, and so is the sum of their gradients.
-  (losses.sum() / static_cast<double>(global.num_examples)).backward();
+  // The loss sum: the gradients are sums over examples until they are divided by
+  // the global count, which the all-reduce below brings.
+  losses.sum().backward();
 
-  // The shard's gradient is complete (its backward gathered every rank's output
-  // gradient); the replicated dense layers' gradients are summed over ranks, with
-  // this rank's loss sum riding along for the check.
+  // The replicated dense layers' gradients are summed over every rank, with this
+  // rank's loss sum and example count riding along.
   const at::Tensor loss_sum = losses.detach().sum().reshape({1});
   const at::Tensor correct = logits.detach().argmax(1).eq(batch.targets).sum().to(at::kFloat).reshape({1});
   std::vector<at::Tensor> dense = m.DenseParameters();
@@ -146,20 +162,31 @@ lockstep::MetricMap ShardedEmbeddingTrainer::TrainStep(const lockstep::Batch& ba
     parts.push_back(p.grad().reshape({-1}));
   }
   parts.push_back(loss_sum);
+  parts.push_back(at::full({1}, static_cast<double>(n), loss_sum.options()));
   at::Tensor flat = at::cat(parts);
   communicator()->AllReduce(flat, lockstep::ReduceOp::kSum, collective_options());
-  int64_t offset = 0;
+  const int64_t offset = flat.numel() - 2;
+  const double global_count = flat[offset + 1].item<double>();
+  if (global_count <= 0) throw lockstep::Error("TrainStep: the global batch is empty");
+  // The shard's gradient covers the model group's examples (its backward gathered
+  // their output gradients); the data axis's groups hold the rest.
+  if (mesh()->data()->world_size() > 1) {
+    mesh()->data()->AllReduce(m.shard.mutable_grad(), lockstep::ReduceOp::kSum, collective_options());
+  }
+  m.shard.mutable_grad().div_(global_count);
+  flat.div_(global_count);
+  int64_t begin = 0;
   for (const at::Tensor& p : dense) {
-    p.mutable_grad().copy_(flat.slice(0, offset, offset + p.numel()).view_as(p));
-    offset += p.numel();
+    p.mutable_grad().copy_(flat.slice(0, begin, begin + p.numel()).view_as(p));
+    begin += p.numel();
   }
   BeforeUpdate();  // an asynchronous checkpoint may still be copying the parameters
   state().optimizer->step();
   ++state().step;
 
   if (reference_) {
-    const double global_loss = flat[offset].item<double>() / static_cast<double>(global.num_examples);
-    CompareWithReference(global_loss, reference_->Step(global));
+    const GlobalBatch global = GatherGlobalBatch(*world_group_, batch.inputs, batch.targets);
+    CompareWithReference(flat[offset].item<double>(), reference_->Step(global));
   }
   // This rank's values; BaseTrainer combines them over ranks, weighted by examples.
   lockstep::MetricMap metrics = {{lockstep::kNumExamples, static_cast<double>(n)}};
@@ -174,11 +201,10 @@ void ShardedEmbeddingTrainer::CompareWithReference(double global_loss, double re
   BagClassifierImpl& m = model();
   torch::NoGradGuard no_grad;
   const int64_t width = m.shard.size(1);
-  const int rank = communicator()->rank();
   ++check_.steps;
   check_.max_loss_diff = std::max(check_.max_loss_diff, std::abs(global_loss - reference_loss));
-  check_.max_table_diff =
-      std::max(check_.max_table_diff, MaxAbsDiff(m.shard, reference_->table.slice(1, rank * width, (rank + 1) * width)));
+  check_.max_table_diff = std::max(
+      check_.max_table_diff, MaxAbsDiff(m.shard, reference_->table.slice(1, m.column_begin, m.column_begin + width)));
   const std::vector<at::Tensor> mine = m.DenseParameters();
   const std::vector<at::Tensor> theirs = reference_->DenseParameters();
   for (size_t i = 0; i < mine.size(); ++i) {
@@ -301,10 +327,11 @@ lockstep::MetricSums ShardedEmbeddingTrainer::EvalStep(const lockstep::Batch& ba
   BagClassifierImpl& m = model();
   m.eval();
   torch::NoGradGuard no_grad;
-  // Every rank takes part in the lookup, also one whose slice of this batch is empty.
-  const GlobalBatch global = GatherGlobalBatch(*group_, batch.inputs, batch.targets);
+  // Every rank of the model group takes part in the lookup, also one whose slice
+  // of this batch is empty.
+  const GlobalBatch group_batch = GatherGlobalBatch(*group_, batch.inputs, batch.targets);
   const int64_t n = batch.size();
-  at::Tensor logits = m.Classify(ShardedBagMean(m.shard, global.ids, group_).slice(0, 0, n));
+  at::Tensor logits = m.Classify(ShardedBagMean(m.shard, group_batch.ids, group_).slice(0, 0, n));
   lockstep::MetricSums sums;
   sums.weight = static_cast<double>(n);
   if (n > 0) {

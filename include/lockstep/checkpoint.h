@@ -143,6 +143,13 @@ class CheckpointManager {
   // mesh, or with none); Restore reads the whole tensors and keeps this rank's
   // shard. Both become collectives over the axis. Null or a world of one: off.
   void set_model_axis(Communicator* model_axis, int model_index, std::vector<ParameterLayout> layouts);
+  // A sharded strategy (ZeRO-1/2) over the data axis of a mesh whose model axis
+  // is set: the train state's layout slices over `data_axis`, not over the whole
+  // world. Save then also all-gathers each optimizer value over the data axis
+  // before the model axis gathers it, so the checkpoint again holds whole tensors
+  // (recorded as replicated: it loads on any mesh and strategy); Restore slices
+  // them again. Not owned; null: the layout spans the world.
+  void set_data_axis(Communicator* data_axis) { data_axis_ = data_axis; }
   // Blocks until the save in flight has copied the state (overlap_copy); after it
   // the caller may change parameters and optimizer state. Cheap when nothing waits.
   void AwaitSnapshot();
@@ -183,8 +190,12 @@ class CheckpointManager {
   const int rank_;
   const int world_size_;
   CoordinationClient* const coordination_;  // Not owned.
+  // A sharded layout on a mesh (set_data_axis): throws InvalidArgumentError
+  // unless it slices over the data axis and keeps the parameters whole.
+  void CheckMeshLayout(const ShardedLayout& layout) const;
   Communicator* model_axis_ = nullptr;      // Not owned; see set_model_axis
   int model_index_ = 0;
+  Communicator* data_axis_ = nullptr;       // Not owned; see set_data_axis
   std::map<std::string, ParameterLayout> split_;  // the split parameters, by name
   std::future<void> in_flight_;        // the async save, if any
   std::shared_future<void> snapshot_;  // its copy of the state (overlap_copy)

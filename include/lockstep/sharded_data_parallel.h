@@ -85,6 +85,14 @@ struct ShardedDataParallelOptions {
   size_t unit_bytes = size_t{25} << 20;
   // Timeout, start-up check through the coordination service, name: as for DataParallel.
   DataParallelOptions data_parallel;
+  // Tensor parallelism beside the data axis (mesh.h): the model's parameters are
+  // this model index's shards, those flagged (one flag per model.parameters(),
+  // in order) split over `model_axis`. The gradient and weight norms then add the
+  // split parameters' squares over the model axis too (the others are the same on
+  // every rank of it), so clipping sees the whole model's norm. Null or a group
+  // of one: none. Not with kFullySharded (the constructor refuses it).
+  Communicator* model_axis = nullptr;
+  std::vector<bool> split_over_model;
 };
 
 // Bytes this rank holds, by kind, between steps.

@@ -57,6 +57,16 @@ class BaseTrainer {
   // rank 0's halting decision is shared with them. Null or a world of one: this
   // process alone. Set it before the first Train or Eval. Not owned.
   void set_communicator(Communicator* communicator, CollectiveOptions options = {});
+  // For a subclass that lays its model out on a data x model mesh (mesh.h): the
+  // mesh and the partitioner of the job's rules, both borrowed (they must outlive
+  // the trainer). Sets the communicator to mesh->world(), so metrics and halting
+  // span every rank; the step itself sums gradients over mesh->data() and splits
+  // its layers over mesh->model(). Set it before the first Train or Eval. Throws
+  // InvalidArgumentError for a null mesh, or a partitioner of another mesh shape.
+  void set_mesh(const DeviceMesh* mesh, const Partitioner* partitioner, CollectiveOptions options = {});
+  // Null unless set_mesh was called.
+  const DeviceMesh* mesh() const { return mesh_; }
+  const Partitioner* partitioner() const { return partitioner_; }
 
   // Runs `num_steps` train steps on batches from `data`, starting at `start_step`
   // (default: state.step). Every `summary_every_steps` steps, and after the last
@@ -152,6 +162,8 @@ class BaseTrainer {
   TrainState& state_;  // Not owned.
   const Runtime runtime_;
   Communicator* communicator_ = nullptr;  // Not owned.
+  const DeviceMesh* mesh_ = nullptr;        // Not owned.
+  const Partitioner* partitioner_ = nullptr;  // Not owned.
   CollectiveOptions collective_;
   int64_t summary_every_steps_ = 100;
   std::vector<SummarySink> sinks_;

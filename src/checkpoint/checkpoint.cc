@@ -656,6 +656,20 @@ void CheckpointManager::set_model_axis(Communicator* model_axis, int model_index
   }
 }
 
+void CheckpointManager::CheckMeshLayout(const ShardedLayout& layout) const {
+  if (data_axis_ == nullptr) {
+    throw InvalidArgumentError("checkpoint: a sharded train state beside a model axis needs set_data_axis");
+  }
+  if (layout.rank != data_axis_->rank() || layout.world_size != data_axis_->world_size()) {
+    throw InvalidArgumentError(absl::StrCat("checkpoint: the train state is sharded for rank ", layout.rank, " of ",
+                                            layout.world_size, ", the data axis is rank ", data_axis_->rank(), " of ",
+                                            data_axis_->world_size()));
+  }
+  if (!layout.parameters_whole) {
+    throw InvalidArgumentError("checkpoint: fully sharded parameters beside a model axis are not supported");
+  }
+}
+
 void CheckpointManager::Save(const TrainState& state, const ShardExtras& extras,
                              const std::map<std::string, double>& metrics, bool emergency) {
   const auto start = std::chrono::steady_clock::now();
@@ -702,7 +716,14 @@ void CheckpointManager::Save(const TrainState& state, const ShardExtras& extras,
   } writer;
   const ShardedLayout* layout = state.layout.get();
   job->partitioning = layout != nullptr ? layout->strategy : options_.partitioning;
-  if (layout == nullptr) {
+  // A sharded layout over the data axis of a mesh with a split model: gathered
+  // whole over both axes, so the checkpoint is a replicated one.
+  const bool mesh_sharded = layout != nullptr && model_axis_ != nullptr;
+  if (mesh_sharded) {
+    CheckMeshLayout(*layout);
+    job->partitioning = kReplicated;
+  }
+  if (layout == nullptr || mesh_sharded) {
     // A model split over a model axis: every rank of the axis gathers each split
     // value, in the same order, and the checkpoint holds whole tensors.
     auto whole = [&](const std::string& name, const at::Tensor& value) -> at::Tensor {
@@ -722,7 +743,49 @@ void CheckpointManager::Save(const TrainState& state, const ShardExtras& extras,
     writer.put_bytes = [&](const std::string& key, const std::string& value) {
       job->values.insert(kOptimizerPrefix + key, BytesTensor(value));
     };
-    FindOptimizerStateCodec(*state.optimizer)->Save(*state.optimizer, OptimizerParameters(state), writer);
+    if (!mesh_sharded) {
+      FindOptimizerStateCodec(*state.optimizer)->Save(*state.optimizer, OptimizerParameters(state), writer);
+    } else {
+      // The codec sees "unit<u>" parameters holding this data rank's slices: each
+      // value is all-gathered over the data axis, cut into its members (this model
+      // index's shards) and gathered whole over the model axis by `whole`.
+      auto unit_and_field = [&](const std::string& key) {
+        size_t u = 0;
+        const size_t slash = key.find('/');
+        if (key.rfind("unit", 0) != 0 || slash == std::string::npos ||
+            !absl::SimpleAtoi(key.substr(4, slash - 4), &u) || u >= layout->units.size()) {
+          throw InvalidArgumentError("checkpoint: the optimizer's codec wrote '" + key + "', not a parameter's value");
+        }
+        return std::make_pair(u, key.substr(slash + 1));
+      };
+      writer.put_tensor = [&](const std::string& key, const at::Tensor& value) {
+        const auto [u, field] = unit_and_field(key);
+        const ShardedLayout::Unit& unit = layout->units[u];
+        if (value.dim() != 1 || value.numel() != unit.slice) {
+          throw InvalidArgumentError(absl::StrCat("checkpoint: the optimizer's '", field, "' has shape ",
+                                                  c10::str(value.sizes()), ", not one value per parameter element; "
+                                                  "a sharded partitioning cannot split it"));
+        }
+        const at::Tensor input = value.detach().contiguous();
+        at::Tensor flat = at::empty({unit.slice * layout->world_size}, input.options());
+        data_axis_->AllGather(flat, input);
+        for (const ShardedLayout::Member& member : unit.members) {
+          put(absl::StrCat(kOptimizerPrefix, member.name, "/", field),
+              whole(member.name, flat.narrow(0, member.offset, member.numel).view(member.shape)));
+        }
+      };
+      writer.put_int = [&](const std::string& key, int64_t value) {
+        const auto [u, field] = unit_and_field(key);
+        for (const ShardedLayout::Member& member : layout->units[u].members) {
+          job->values.insert(absl::StrCat(kOptimizerPrefix, member.name, "/", field), value);
+        }
+      };
+      writer.put_bytes = [&](const std::string& key, const std::string&) {
+        throw InvalidArgumentError("checkpoint: the optimizer's state ('" + key +
+                                   "') is an archive, which a sharded partitioning cannot split");
+      };
+      FindOptimizerStateCodec(*state.optimizer)->Save(*state.optimizer, UnitParameters(*layout), writer);
+    }
   } else {
     if (layout->rank != rank_ || layout->world_size != world_size_) {
       throw InvalidArgumentError(absl::StrCat("checkpoint: the train state is sharded for rank ", layout->rank, " of ",
@@ -1100,10 +1163,15 @@ ShardExtras CheckpointManager::Restore(const FoundCheckpoint& found, TrainState&
                                        " (resume with the same config, or start afresh with --resume=none)"));
   }
   const ShardedLayout* layout = state.layout.get();
-  if (layout != nullptr && (layout->rank != rank_ || layout->world_size != world_size_)) {
+  const bool mesh_sharded = layout != nullptr && model_axis_ != nullptr;
+  if (mesh_sharded) {
+    CheckMeshLayout(*layout);
+  } else if (layout != nullptr && (layout->rank != rank_ || layout->world_size != world_size_)) {
     throw InvalidArgumentError(absl::StrCat("checkpoint: the train state is sharded for rank ", layout->rank, " of ",
                                             layout->world_size, ", the manager is rank ", rank_, " of ", world_size_));
   }
+  // The rank whose slices the layout holds: over the data axis on a mesh.
+  const int slice_rank = layout != nullptr ? layout->rank : rank_;
   // Any layout loads from any other: each value this rank needs is read from the
   // shards that hold it (every shard of a sharded checkpoint, for a replicated
   // model; this rank's own one when the layouts agree).
@@ -1130,7 +1198,7 @@ ShardExtras CheckpointManager::Restore(const FoundCheckpoint& found, TrainState&
         // Fully sharded: only this rank's slices hold parameters (the padding stays zero).
         for (const ShardedLayout::Unit& unit : layout->units) {
           for (const ShardedLayout::Member& member : unit.members) {
-            if (auto piece = PieceOf(unit, member, rank_)) {
+            if (auto piece = PieceOf(unit, member, slice_rank)) {
               unit.shard.narrow(0, piece->local, piece->end - piece->begin)
                   .copy_(reader.Range("model/" + member.name, piece->begin, piece->end));
             }
@@ -1185,9 +1253,19 @@ ShardExtras CheckpointManager::Restore(const FoundCheckpoint& found, TrainState&
         const ShardedLayout::Unit& unit = layout->units[u];
         at::Tensor out = at::zeros({unit.slice}, like.options().requires_grad(false));
         for (const ShardedLayout::Member& member : unit.members) {
-          if (auto piece = PieceOf(unit, member, rank_)) {
-            out.narrow(0, piece->local, piece->end - piece->begin)
-                .copy_(reader.Range(absl::StrCat(kOptimizerPrefix, member.name, "/", field), piece->begin, piece->end));
+          if (auto piece = PieceOf(unit, member, slice_rank)) {
+            const std::string member_key = absl::StrCat(kOptimizerPrefix, member.name, "/", field);
+            at::Tensor values;
+            if (mesh_sharded && split_.count(member.name) > 0) {
+              // This model index's shard of the whole value, then the slice's range of it.
+              const at::Tensor member_like = at::empty(member.shape, like.options().requires_grad(false));
+              values = ReadShard(reader, member_key, member.name, member_like)
+                           .reshape({-1})
+                           .narrow(0, piece->begin, piece->end - piece->begin);
+            } else {
+              values = reader.Range(member_key, piece->begin, piece->end);
+            }
+            out.narrow(0, piece->local, piece->end - piece->begin).copy_(values);
           }
         }
         return out;

@@ -223,9 +223,9 @@ absl::Status ValidateConfig(const config::TrainerConfig& c, int world_size) {
                   "above 1 needs model.name gpt (the model whose parameters name their logical axes)", shape.model);
     check.Require(m.dropout() == 0, "model.dropout", "must be 0 with a model axis above 1 (not supported yet)",
                   m.dropout());
-    check.Require(c.partitioning().strategy() == "replicated", "partitioning.strategy",
-                  "must be replicated with a model axis above 1 (sharded state over the data axis of a 2-D mesh is "
-                  "not supported yet)",
+    check.Require(c.partitioning().strategy() != "fully_sharded", "partitioning.strategy",
+                  "must be replicated, sharded_optimizer_state or sharded_gradients with a model axis above 1 "
+                  "(fully_sharded parameters over the data axis of a 2-D mesh are not supported)",
                   c.partitioning().strategy());
     if (m.name() == "gpt" && check.status().ok()) {
       try {

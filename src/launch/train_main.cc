@@ -130,6 +130,12 @@ int Run(const config::TrainerConfig& cfg, const Runtime& runtime, std::unique_pt
     loss = gpt != nullptr ? LanguageModelLoss(gpt->vocab_axis(), gpt->vocab_begin()) : LanguageModelLoss();
   }
   Trainer trainer(state, model.apply, loss, options, runtime);
+  if (const ShardedDataParallel* sharded = trainer.sharded_data_parallel(); sharded != nullptr && runtime.is_chief()) {
+    std::printf("Partitioning: %s over %d data rank(s): %d unit(s) of %" PRId64
+                " parameter elements, each rank updating 1/%d of them%s\n",
+                PartitioningStrategyName(sharded->strategy()).c_str(), sharded->world_size(), sharded->num_units(),
+                sharded->num_elements(), sharded->world_size(), mesh ? " (of its model index's shards)" : "");
+  }
   // Rank 0 alone writes (stdout, TensorBoard events, JSONL) on the trainer's
   // background thread; on a terminal a progress bar replaces the train lines.
   const RunWriters writers = AddConfiguredWriters(cfg, runtime, trainer);
@@ -153,7 +159,10 @@ int Run(const config::TrainerConfig& cfg, const Runtime& runtime, std::unique_pt
     }
   }
   CheckpointManager checkpoints(ToCheckpointOptions(cfg), runtime.rank, runtime.world_size, env->coordination());
-  if (mesh) checkpoints.set_model_axis(mesh->model(), mesh->model_index(), layouts);
+  if (mesh) {
+    checkpoints.set_model_axis(mesh->model(), mesh->model_index(), layouts);
+    checkpoints.set_data_axis(mesh->data());
+  }
   JobOptions job_options = ToJobOptions(cfg);
   job_options.resume = absl::GetFlag(FLAGS_resume);
   if (progress && cfg.progress_updates() == "step") job_options.on_step = [progress](int64_t s) { progress->Step(s); };

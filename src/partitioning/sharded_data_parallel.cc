@@ -10,6 +10,7 @@
 #include <torch/optim/rmsprop.h>
 #include <torch/optim/sgd.h>
 
+#include <algorithm>
 #include <chrono>
 #include <map>
 #include <cmath>
@@ -208,6 +209,36 @@ struct ShardedDataParallel::State {
     wait_seconds += std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
   }
 
+  // This rank's squares of a unit's slice (its shard or shard_grad): of the
+  // elements of parameters split over the model axis, and of the others.
+  std::pair<double, double> SliceSquares(const Unit& unit, const at::Tensor& slice) const {
+    if (!has_model_axis()) return {0.0, SquaredNorm(slice)};
+    double split = 0, others = 0;
+    const int64_t begin = static_cast<int64_t>(rank()) * unit.slice;
+    for (size_t k = 0; k < unit.params.size(); ++k) {
+      const int64_t first = std::max(begin, unit.offsets[k]);
+      const int64_t last = std::min(begin + unit.slice, unit.offsets[k] + parameters[unit.params[k]].numel());
+      if (first >= last) continue;
+      const double squares = SquaredNorm(slice.narrow(0, first - begin, last - first));
+      (options.split_over_model[unit.params[k]] ? split : others) += squares;
+    }
+    return {split, others};
+  }
+
+  bool has_model_axis() const { return options.model_axis != nullptr && options.model_axis->world_size() > 1; }
+
+  // The L2 norm over every rank of squares summed by SliceSquares.
+  double MeshNorm(std::pair<double, double> squares) {
+    if (!has_model_axis()) return std::sqrt(SumOverRanks(squares.first + squares.second));
+    at::Tensor values = at::tensor({squares.first, squares.second}, at::kDouble);
+    const auto start = std::chrono::steady_clock::now();
+    communicator->AllReduce(values, ReduceOp::kSum, options.data_parallel.collective);
+    at::Tensor split = values.narrow(0, 0, 1).clone();
+    options.model_axis->AllReduce(split, ReduceOp::kSum, options.data_parallel.collective);
+    wait_seconds += std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+    return std::sqrt(split.item<double>() + values[1].item<double>());
+  }
+
   // Sum over ranks of one local number.
   double SumOverRanks(double local) {
     at::Tensor value = at::tensor({local}, at::kDouble);
@@ -236,6 +267,19 @@ ShardedDataParallel::ShardedDataParallel(Communicator* communicator, torch::nn::
     throw InvalidArgumentError("ShardedDataParallel: the optimizer already has state; shard it before its first step");
   }
   if (options.unit_bytes == 0) throw InvalidArgumentError("ShardedDataParallel: unit_bytes must be positive");
+  if (options.model_axis != nullptr && options.model_axis->world_size() > 1) {
+    if (options.strategy == PartitioningStrategy::kFullySharded) {
+      throw InvalidArgumentError(
+          "partitioning strategy fully_sharded with a model axis of more than one rank is not supported; use "
+          "sharded_optimizer_state or sharded_gradients over the data axis of a mesh");
+    }
+    const size_t num_parameters = model.parameters().size();
+    if (options.split_over_model.size() != num_parameters) {
+      throw InvalidArgumentError("ShardedDataParallel: split_over_model has " +
+                                 std::to_string(options.split_over_model.size()) + " flags for " +
+                                 std::to_string(num_parameters) + " parameters");
+    }
+  }
   CheckModelsAgreeAndBroadcast(communicator, model, fingerprint, options.data_parallel);
 
   State& s = *state_;
@@ -404,9 +448,13 @@ ShardedDataParallel::StepResult ShardedDataParallel::Step(double max_grad_norm,
   if (max_grad_norm < 0) throw InvalidArgumentError("ShardedDataParallel::Step: max_grad_norm must be >= 0");
   StepResult result;
   at::NoGradGuard no_grad;
-  double squares = 0;
-  for (const State::Unit& unit : s.units) squares += SquaredNorm(unit.shard_grad);
-  result.gradients_l2norm = std::sqrt(s.SumOverRanks(squares));
+  std::pair<double, double> squares;
+  for (const State::Unit& unit : s.units) {
+    const auto [split, others] = s.SliceSquares(unit, unit.shard_grad);
+    squares.first += split;
+    squares.second += others;
+  }
+  result.gradients_l2norm = s.MeshNorm(squares);
   if (max_grad_norm > 0) {
     // As torch::nn::utils::clip_grad_norm_ does.
     const double coefficient = max_grad_norm / (result.gradients_l2norm + 1e-6);
@@ -417,15 +465,17 @@ ShardedDataParallel::StepResult ShardedDataParallel::Step(double max_grad_norm,
   if (before_update) before_update();
   s.optimizer->step();
   std::vector<std::shared_ptr<Work>> works;
-  double weights = 0;
+  std::pair<double, double> weights;
   for (State::Unit& unit : s.units) {
-    weights += SquaredNorm(unit.shard);
+    const auto [split, others] = s.SliceSquares(unit, unit.shard);
+    weights.first += split;
+    weights.second += others;
     if (s.fully_sharded()) continue;  // gathered at the next step
     // In place: the shard is this rank's slice of the flat buffer.
     works.push_back(s.communicator->AllGatherAsync(unit.flat_param, unit.shard, s.options.data_parallel.collective));
   }
   if (s.fully_sharded()) s.Release();  // already, unless a unit had no gradient to wait for
-  result.weights_l2norm = std::sqrt(s.SumOverRanks(weights));
+  result.weights_l2norm = s.MeshNorm(weights);
   for (auto& work : works) s.WaitFor(*work);
   return result;
 }

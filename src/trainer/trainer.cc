@@ -34,6 +34,17 @@ void BaseTrainer::set_communicator(Communicator* communicator, CollectiveOptions
   collective_ = options;
 }
 
+void BaseTrainer::set_mesh(const DeviceMesh* mesh, const Partitioner* partitioner, CollectiveOptions options) {
+  if (mesh == nullptr || partitioner == nullptr) throw InvalidArgumentError("set_mesh: the mesh and partitioner are required");
+  if (partitioner->shape().data != mesh->shape().data || partitioner->shape().model != mesh->shape().model) {
+    throw InvalidArgumentError("set_mesh: the partitioner is for a " + DescribeMesh(partitioner->shape()) +
+                               " mesh, the mesh is " + DescribeMesh(mesh->shape()));
+  }
+  set_communicator(mesh->world(), options);
+  mesh_ = mesh;
+  partitioner_ = partitioner;
+}
+
 void BaseTrainer::AddSummaryWriter(SummarySink writer) {
   if (!managers_.empty()) throw InvalidArgumentError("AddSummaryWriter: add writers before the first Train or Eval");
   writer_sinks_.push_back(std::move(writer));
@@ -197,10 +208,10 @@ Trainer::Trainer(TrainState& state, ApplyFn apply, LossFn loss, TrainerOptions o
     }
     Communicator* const model_axis = options_.mesh->model();
     if (model_axis->world_size() > 1) {
-      if (options_.partitioning != PartitioningStrategy::kReplicated) {
+      if (options_.partitioning == PartitioningStrategy::kFullySharded) {
         throw InvalidArgumentError(
-            "Trainer: a sharded partitioning strategy with a model axis of more than one rank is not supported yet; "
-            "use partitioning.strategy 'replicated' with a mesh whose model axis is above 1");
+            "Trainer: partitioning strategy fully_sharded with a model axis of more than one rank is not supported; "
+            "use sharded_optimizer_state or sharded_gradients (ZeRO-1/2 over the data axis) with a mesh");
       }
       std::map<std::string, bool> split;
       for (const ParameterLayout& layout : options_.parameter_layouts) split[layout.name] = layout.sharded();
@@ -231,6 +242,8 @@ Trainer::Trainer(TrainState& state, ApplyFn apply, LossFn loss, TrainerOptions o
       sharding.strategy = options_.partitioning;
       sharding.unit_bytes = options_.data_parallel.bucket_bytes;
       sharding.data_parallel = options_.data_parallel;
+      sharding.model_axis = options_.step.model_axis;
+      sharding.split_over_model = options_.step.split_over_model;
       sharded_ = std::make_unique<ShardedDataParallel>(data_axis, *state.model, *state.optimizer,
                                                        options_.fingerprint, sharding);
       options_.step.sharded = sharded_.get();

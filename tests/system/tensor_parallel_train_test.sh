@@ -10,6 +10,10 @@
 #     compare_consolidated.py).
 #  3. Heads that the model axis does not divide: a config error naming the
 #     parameter, exit 2, on every rank.
+#  4. ZeRO-2 (partitioning.strategy sharded_gradients) over the data axis of the
+#     2x2 mesh: losses as 1 process; its checkpoint (whole tensors) loads on 1
+#     process bit for bit, and the replicated 2x2 checkpoint loads into it bit for
+#     bit and continues to step 8 within 1e-5 of the replicated run.
 # Skipped (exit 0, "SKIP") without the bible reader or Python PyTorch.
 # Usage: tensor_parallel_train_test.sh SOURCE_DIR LOCKSTEP_TRAIN LOCKSTEP_CKPT MPIRUN...
 set -euo pipefail
@@ -34,7 +38,8 @@ source "$source_dir/tests/system/checkpoint_helpers.sh"  # step_dir, consolidate
 launch() {  # launch RANKS MESH_MODEL OUTPUT_DIR STEPS LOG [lockstep_train flags...]
   local ranks=$1 model=$2 dir=$3 steps=$4 log=$5
   shift 5
-  local cmd=("$train" "$config" --set="$flags,partitioning.mesh.model=$model,num_train_steps=$steps,output_dir=$dir" "$@")
+  local cmd=("$train" "$config"
+             --set="$flags,partitioning.mesh.model=$model,num_train_steps=$steps,output_dir=$dir${extra:-}" "$@")
   if [[ $ranks -gt 1 ]]; then cmd=("${mpirun[@]}" -np "$ranks" "${cmd[@]}"); fi
   "${cmd[@]}" > "$log" 2>&1 || { cat "$log"; fail "$ranks rank(s), model axis $model, to step $steps (see above)"; }
 }
@@ -85,6 +90,31 @@ for case in "4 1 four_by_one" "1 1 alone"; do
     fail "$name continued differently from 2x2"
   echo "OK: saved on 2x2, resumed as $name: bit-identical, and steps 5-8 within 1e-5"
 done
+
+# 4. (before 3, which ends the script's successes) ZeRO-2 over the data axis of
+# the 2x2 mesh: the same losses as 1 process; its checkpoint holds whole tensors
+# (replicated) that 1 process loads bit for bit; the replicated 2x2 checkpoint
+# loads into it bit for bit and it continues as the replicated 2x2 run did.
+extra=",partitioning.strategy=sharded_gradients"
+launch 4 2 "$work/zero" 8 "$work/zero.log"
+same_losses "$work/one.log" "$work/zero.log" "2x2 with sharded_gradients"
+grep -q "sharded_gradients" "$work/zero.log" || { cat "$work/zero.log"; fail "the ZeRO run does not say its strategy"; }
+zero4=$(consolidated "$work/zero" 4)
+"$python" "$source_dir/tests/system/compare_consolidated.py" --rtol 1e-5 --without-key-bias "$zero4" "$saved" ||
+  fail "2x2 with sharded_gradients saved other values than 2x2 replicated at step 4"
+extra=""
+launch 1 1 "$work/zero_alone" 4 "$work/zero_alone.log" --resume="$(step_dir "$work/zero" 4)"
+"$python" "$source_dir/tests/system/compare_consolidated.py" "$zero4" "$(consolidated "$work/zero_alone" 4)" ||
+  fail "1 process did not load what 2x2 with sharded_gradients saved"
+extra=",partitioning.strategy=sharded_gradients"
+launch 4 2 "$work/zero_resumed" 4 "$work/zero_resumed.log" --resume="$(step_dir "$work/two_by_two" 4)"
+"$python" "$source_dir/tests/system/compare_consolidated.py" "$saved" "$(consolidated "$work/zero_resumed" 4)" ||
+  fail "2x2 with sharded_gradients did not load what 2x2 replicated saved"
+launch 4 2 "$work/zero_resumed" 8 "$work/zero_resumed.8.log"
+"$python" "$source_dir/tests/system/compare_consolidated.py" --rtol 1e-5 --without-key-bias \
+  "$(consolidated "$work/zero_resumed" 8)" "$reference8" || fail "2x2 with sharded_gradients continued differently"
+extra=""
+echo "OK: ZeRO-2 over the data axis of 2x2 trains as 1 process, saves whole tensors, loads a replicated checkpoint"
 
 # 3.
 set +e

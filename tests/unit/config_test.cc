@@ -133,7 +133,11 @@ TEST(ConfigTest, MeshesAreChecked) {
   EXPECT_THAT(on(2, "partitioning { mesh { model: 2 } } model { dropout: 0.1 }").message(),
               HasSubstr("'model.dropout' must be 0 with a model axis above 1"));
   EXPECT_THAT(on(2, "partitioning { mesh { model: 2 } strategy: 'fully_sharded' }").message(),
-              HasSubstr("'partitioning.strategy' must be replicated with a model axis above 1"));
+              HasSubstr("'partitioning.strategy' must be replicated, sharded_optimizer_state or sharded_gradients "
+                        "with a model axis above 1"));
+  // ZeRO-1 and ZeRO-2 over the data axis compose with the model axis.
+  EXPECT_TRUE(on(4, "partitioning { mesh { model: 2 } strategy: 'sharded_optimizer_state' }").ok());
+  EXPECT_TRUE(on(4, "partitioning { mesh { model: 2 } strategy: 'sharded_gradients' }").ok());
   EXPECT_THAT(BuildConfig("", {"partitioning.mesh.model=2", "data.source=SYNTHETIC", "model.name=mlp"}, 2)
                   .status()
                   .message(),
