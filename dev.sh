@@ -24,7 +24,7 @@ PACKAGES=(
   cmake ninja-build g++ pkg-config zlib1g-dev
   libtorch-dev libopenblas0-pthread
   libprotobuf-dev protobuf-compiler libgrpc++-dev protobuf-compiler-grpc libabsl-dev
-  libopenmpi-dev openmpi-bin
+  libopenmpi-dev openmpi-bin libgloo-dev
   libgtest-dev libgmock-dev libbenchmark-dev python3-protobuf
   dataset-fashion-mnist python3-torch
   slurm-wlm munge

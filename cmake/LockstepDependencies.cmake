@@ -45,6 +45,20 @@ find_package(NCCL QUIET)
 cmake_dependent_option(LOCKSTEP_WITH_NCCL "Build the NCCL communicator (CUDA tensors)" ON
                        "CUDAToolkit_FOUND;NCCL_FOUND" OFF)
 
+# Gloo (CPU tensors without mpirun): libtorch's c10d ProcessGroupGloo, whose
+# header needs Gloo's (libgloo-dev); libtorch links the same libgloo.
+find_path(LOCKSTEP_GLOO_HEADER gloo/config.h)
+find_path(LOCKSTEP_C10D_GLOO_HEADER torch/csrc/distributed/c10d/ProcessGroupGloo.hpp HINTS ${TORCH_INCLUDE_DIRS})
+set(_have_gloo OFF)
+if(LOCKSTEP_GLOO_HEADER AND LOCKSTEP_C10D_GLOO_HEADER)
+  set(_have_gloo ON)
+endif()
+option(LOCKSTEP_WITH_GLOO "Build the Gloo communicator (CPU tensors, libtorch's c10d)" ${_have_gloo})
+if(LOCKSTEP_WITH_GLOO AND NOT _have_gloo)
+  message(FATAL_ERROR "LOCKSTEP_WITH_GLOO=ON but Gloo's headers (libgloo-dev) or libtorch's "
+                      "c10d/ProcessGroupGloo.hpp were not found")
+endif()
+
 message(STATUS "Lockstep: torch ${Torch_VERSION}, protobuf ${Protobuf_VERSION}, gRPC ${gRPC_VERSION}")
-message(STATUS "Lockstep: MPI backend ${LOCKSTEP_WITH_MPI}, NCCL backend ${LOCKSTEP_WITH_NCCL}"
+message(STATUS "Lockstep: MPI backend ${LOCKSTEP_WITH_MPI}, Gloo backend ${LOCKSTEP_WITH_GLOO}, NCCL backend ${LOCKSTEP_WITH_NCCL}"
                " (CUDA ${CUDAToolkit_VERSION}, NCCL ${NCCL_VERSION})")

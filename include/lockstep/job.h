@@ -165,7 +165,10 @@ struct CoordinationSetup {
 
 struct JobEnvironmentOptions {
   std::string device = "auto";   // "auto" (cuda:<local rank> when there is a GPU), "cpu", "cuda:N"
-  std::string backend = "auto";  // "auto" (nccl on GPU, mpi on CPU), "mpi", "nccl"
+  // "auto": nccl on a GPU; on CPU, mpi when mpirun (or srun with PMIx) started
+  // the ranks, gloo when anything else did (torchrun-style variables,
+  // launch/local.sh, plain srun). Or "mpi", "gloo", "nccl".
+  std::string backend = "auto";
   CoordinationSetup coordination;
   absl::Duration collective_timeout = absl::Minutes(5);
   // MPI with MPI_THREAD_MULTIPLE (MpiOptions::thread_multiple): a mesh whose axes

@@ -275,8 +275,8 @@ absl::Status ValidateConfig(const config::TrainerConfig& c, int world_size) {
                 "must be >= 0 (0 disables clipping)", c.max_grad_norm());
   check.Require(!c.output_dir().empty(), "output_dir", "must not be empty", "\"\"");
   check.Require(c.num_threads() >= 0, "num_threads", "must be >= 0", c.num_threads());
-  check.Require(c.backend() == "auto" || c.backend() == "mpi" || c.backend() == "nccl", "backend",
-                "must be one of auto, mpi, nccl", c.backend());
+  check.Require(c.backend() == "auto" || c.backend() == "mpi" || c.backend() == "gloo" || c.backend() == "nccl",
+                "backend", "must be one of auto, mpi, gloo, nccl", c.backend());
   check.Require(c.device() == "auto" || c.device() == "cpu" || c.device().rfind("cuda", 0) == 0, "device",
                 "must be auto, cpu, cuda or cuda:N", c.device());
   check.Require(c.bucket_mb() > 0, "bucket_mb", "must be > 0", c.bucket_mb());

@@ -18,6 +18,7 @@
 #include "lockstep/agreement.h"
 #include "lockstep/checkpoint.h"
 #include "lockstep/data.h"
+#include "lockstep/gloo_communicator.h"
 #include "lockstep/nccl_communicator.h"
 #include "lockstep/optimizer_state_codec.h"
 #include "lockstep/trainer.h"
@@ -188,6 +189,12 @@ std::unique_ptr<Communicator> MaybeMakeMpi(const Runtime& runtime, bool thread_m
 #endif
 }
 
+// Whether MPI's launcher started this process: mpirun, or srun with PMIx.
+bool StartedByMpi(const Runtime& runtime) {
+  if (runtime.launcher == "mpirun") return true;
+  return runtime.launcher == "slurm" && std::getenv("PMIX_RANK") != nullptr;
+}
+
 std::string ResolveJobId(const CoordinationSetup& c) {
   if (!c.job_id.empty()) return c.job_id;
   for (const char* name : {"LOCKSTEP_JOB_ID", "SLURM_JOB_ID"}) {
@@ -203,8 +210,8 @@ JobEnvironment::JobEnvironment(const JobEnvironmentOptions& options, const Runti
 
 std::unique_ptr<JobEnvironment> JobEnvironment::Create(const JobEnvironmentOptions& options, const Runtime& runtime) {
   const std::string& backend = options.backend;
-  if (backend != "auto" && backend != "mpi" && backend != "nccl") {
-    throw InvalidArgumentError("backend must be auto, mpi or nccl, got '" + backend + "'");
+  if (backend != "auto" && backend != "mpi" && backend != "gloo" && backend != "nccl") {
+    throw InvalidArgumentError("backend must be auto, mpi, gloo or nccl, got '" + backend + "'");
   }
   const std::string& mode = options.coordination.mode;
   if (mode != "auto" && mode != "on" && mode != "off") {
@@ -217,13 +224,15 @@ std::unique_ptr<JobEnvironment> JobEnvironment::Create(const JobEnvironmentOptio
   env->notice_target_ = env->preemption_.get();
 
   env->device_ = ResolveDevice(options.device, runtime);
-  std::unique_ptr<Communicator> mpi = MaybeMakeMpi(runtime, options.mpi_thread_multiple);
+  const bool on_gpu = env->device_.rfind("cuda", 0) == 0;
+  const std::string chosen = backend == "auto" ? (on_gpu ? "nccl" : StartedByMpi(runtime) ? "mpi" : "gloo") : backend;
+  // MPI only when it is the backend: initialising it under another launcher
+  // would make a world of one of each rank.
+  std::unique_ptr<Communicator> mpi = chosen == "mpi" ? MaybeMakeMpi(runtime, options.mpi_thread_multiple) : nullptr;
   env->StartCoordination(mpi.get());
   env->preemption_->AttachClient(env->client_.get());
 
   // The communicator: null for a world of one, unless NCCL is asked for.
-  const bool on_gpu = env->device_.rfind("cuda", 0) == 0;
-  const std::string chosen = backend == "auto" ? (on_gpu ? "nccl" : "mpi") : backend;
   if (runtime.world_size > 1 || backend == "nccl") {
     if (chosen == "nccl") {
       NcclIdExchange exchange;
@@ -237,6 +246,21 @@ std::unique_ptr<JobEnvironment> JobEnvironment::Create(const JobEnvironmentOptio
       }
       env->communicator_ = MakeNcclCommunicator(exchange, runtime.local_rank);
       if (!on_gpu) throw Error("backend 'nccl' needs the model on a CUDA device, not " + env->device_);
+    } else if (chosen == "gloo") {
+      if (!env->client_) {
+        throw InvalidArgumentError("backend 'gloo' meets its peers through the coordination service; "
+                                   "coordination.mode must not be 'off'");
+      }
+      if (on_gpu) throw Error("backend 'gloo' takes CPU tensors; device " + env->device_ + " needs nccl");
+      GlooOptions gloo;
+      gloo.timeout = absl::ToChronoMilliseconds(options.collective_timeout);
+      // Loopback when every rank is on this host, else this host's address.
+      bool one_host = true;
+      for (const PeerInfo& peer : env->client_->roster()) one_host = one_host && peer.host == runtime.host;
+      gloo.hostname = one_host ? "127.0.0.1" : runtime.host;
+      env->communicator_ =
+          MakeGlooCommunicator(GlooStoreOverCoordination(*env->client_, "default"), runtime.rank,
+                               runtime.world_size, gloo);
     } else if (mpi) {
       env->communicator_ = std::move(mpi);
     } else {
