@@ -67,7 +67,7 @@ while [[ ${#running[@]} -gt 0 ]]; do
   wait -n -p finished "${running[@]}"
   code=$?
   # A forwarded signal interrupts wait without a rank having exited.
-  [[ -z $finished ]] && continue
+  [[ -z ${finished:-} ]] && continue
   still=()
   for pid in "${running[@]}"; do [[ $pid != "$finished" ]] && still+=("$pid"); done
   running=("${still[@]}")

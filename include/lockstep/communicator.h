@@ -22,6 +22,7 @@
 #include <chrono>
 #include <memory>
 #include <string>
+#include <vector>
 
 #include "lockstep/errors.h"
 
@@ -125,10 +126,14 @@ class Communicator {
   void Barrier(const CollectiveOptions& options = {}) { BarrierAsync(options)->Wait(); }
 
  protected:
-  // A group of more than one rank and fewer than all (see Split); called on every
-  // rank, after Split has agreed on the groups. Default: InvalidArgumentError
-  // naming backend().
-  virtual std::unique_ptr<Communicator> SplitGroup(int color, int key, const CollectiveOptions& options);
+  // The backend's groups (see Split): called on every rank, after Split has
+  // agreed on the groups, whenever any group has more than one rank and fewer
+  // than all (so a rank alone in its group takes part too: MPI_Comm_split and
+  // ncclCommSplit are collectives over this communicator). `members` are this
+  // rank's group, as ranks here, in the group's order. Default:
+  // InvalidArgumentError naming backend().
+  virtual std::unique_ptr<Communicator> SplitGroup(int color, int key, const std::vector<int>& members,
+                                                   const CollectiveOptions& options);
 };
 
 // A world of one: every collective completes at once (all-gather and

@@ -3,6 +3,7 @@
 #include <ATen/ATen.h>
 
 #include <algorithm>
+#include <map>
 #include <string>
 #include <utility>
 #include <vector>
@@ -99,7 +100,8 @@ class AliasCommunicator final : public Communicator {
   void Abort(const std::string& reason) override { parent_->Abort(reason); }
 
  protected:
-  std::unique_ptr<Communicator> SplitGroup(int color, int key, const CollectiveOptions& options) override {
+  std::unique_ptr<Communicator> SplitGroup(int color, int key, const std::vector<int>& /*members*/,
+                                           const CollectiveOptions& options) override {
     return parent_->Split(color, key, options);
   }
 
@@ -115,21 +117,28 @@ std::unique_ptr<Communicator> Communicator::Split(int color, int key, const Coll
   at::Tensor mine = at::tensor({static_cast<int64_t>(color), static_cast<int64_t>(key)}, at::kLong);
   at::Tensor all = at::empty({2 * n}, at::kLong);
   AllGather(all, mine, options);
-  // The members of this rank's group, in (key, rank) order.
-  std::vector<std::pair<int64_t, int>> members;
+  // Every group, each in (key, rank) order.
+  std::map<int64_t, std::vector<std::pair<int64_t, int>>> groups;
   const int64_t* values = all.data_ptr<int64_t>();
-  for (int r = 0; r < n; ++r) {
-    if (values[2 * r] == color) members.emplace_back(values[2 * r + 1], r);
+  for (int r = 0; r < n; ++r) groups[values[2 * r]].emplace_back(values[2 * r + 1], r);
+  bool backend_groups = false;  // any group of more than one rank and fewer than all
+  for (auto& [group_color, group] : groups) {
+    std::sort(group.begin(), group.end());
+    if (group.size() > 1 && static_cast<int>(group.size()) < n) backend_groups = true;
   }
-  std::sort(members.begin(), members.end());
+  const std::vector<std::pair<int64_t, int>>& mine_sorted = groups.at(color);
+  std::vector<int> members;
+  for (const auto& [member_key, r] : mine_sorted) members.push_back(r);
+  // Every rank takes part in the backend's split when any group needs it.
+  if (backend_groups) return SplitGroup(color, key, members, options);
   if (members.size() == 1) return MakeSingleProcessCommunicator();
-  bool whole = static_cast<int>(members.size()) == n;
-  for (int i = 0; whole && i < n; ++i) whole = members[i].second == i;
+  bool whole = true;
+  for (int i = 0; whole && i < n; ++i) whole = members[i] == i;
   if (whole) return std::make_unique<AliasCommunicator>(this);
-  return SplitGroup(color, key, options);
+  return SplitGroup(color, key, members, options);  // the whole world, reordered
 }
 
-std::unique_ptr<Communicator> Communicator::SplitGroup(int, int, const CollectiveOptions&) {
+std::unique_ptr<Communicator> Communicator::SplitGroup(int, int, const std::vector<int>&, const CollectiveOptions&) {
   throw InvalidArgumentError("split: the " + backend() + " communicator cannot split into groups");
 }
 

@@ -1,11 +1,15 @@
 // Every collective of the MPI communicator, run by real processes under mpirun
-// (ctest starts this binary with -np 2 and -np 3). Expected values are computed
-// from rank and world size.
+// (ctest starts this binary with -np 2 and -np 3), and of the Gloo communicator
+// with LOCKSTEP_TEST_BACKEND=gloo, its ranks started by launch/local.sh
+// (torchrun-style) and meeting through the coordination service that rank 0
+// hosts. Expected values are computed from rank and world size.
 #include <ATen/ATen.h>
 #include <gmock/gmock.h>
 #include <gtest/gtest.h>
 
 #include <cstdint>
+#include <chrono>
+#include <cstdlib>
 #include <fstream>
 #include <memory>
 #include <sstream>
@@ -13,10 +17,43 @@
 #include <vector>
 
 #include "lockstep/communicator.h"
+#include "lockstep/coordination.h"
+#include "lockstep/gloo_communicator.h"
+#include "lockstep/job.h"
 #include "lockstep/mpi_communicator.h"
+#include "lockstep/runtime.h"
 
 namespace lockstep {
 namespace {
+
+bool Gloo() {
+  const char* backend = std::getenv("LOCKSTEP_TEST_BACKEND");
+  return backend != nullptr && std::string(backend) == "gloo";
+}
+
+// Gloo: the job environment (the coordination service on rank 0, a client on
+// every rank), made once per process.
+JobEnvironment& GlooEnvironment() {
+  static std::unique_ptr<JobEnvironment> env = [] {
+    JobEnvironmentOptions options;
+    options.backend = "gloo";
+    options.install_signal_handlers = false;
+    options.program = "collectives_test";
+    options.collective_timeout = absl::Seconds(60);
+    return JobEnvironment::Create(options, Runtime::FromEnvironment());
+  }();
+  return *env;
+}
+
+// A communicator over every rank of the test's backend, independent of the others.
+std::unique_ptr<Communicator> MakeWorld(const MpiOptions& options = {}) {
+  if (!Gloo()) return MakeMpiCommunicator(options);
+  static int made = 0;
+  JobEnvironment& env = GlooEnvironment();
+  CoordinationClient* client = env.coordination();
+  return MakeGlooCommunicator(GlooStoreOverCoordination(*client, "test" + std::to_string(made++)), client->rank(),
+                              client->world_size());
+}
 
 const std::vector<int64_t> kSizes = {0, 1, 17, (3 << 20) + 5};  // empty, one, odd, several MiB
 const std::vector<at::ScalarType> kTypes = {at::kFloat, at::kDouble, at::kBFloat16};
@@ -26,10 +63,11 @@ class CollectivesTest : public ::testing::Test {
   void SetUp() override {
     MpiOptions options;
     options.chunk_bytes = 256 << 10;  // several chunks for the large sizes
-    comm_ = MakeMpiCommunicator(options);
+    comm_ = MakeWorld(options);
     rank_ = comm_->rank();
     size_ = comm_->world_size();
-    ASSERT_GE(size_, 2) << "run under mpirun with at least 2 ranks";
+    ASSERT_GE(size_, 2) << "run under mpirun (or launch/local.sh for gloo) with at least 2 ranks";
+    EXPECT_EQ(comm_->backend(), Gloo() ? "gloo" : "mpi");
   }
   // Small integers (< 256) so that bfloat16 represents them exactly.
   static at::Tensor Pattern(int64_t n, at::ScalarType type) {
@@ -119,7 +157,7 @@ TEST_F(CollectivesTest, BadCallsAreClearErrors) {
 
 // Several communicators live side by side in one process (no singletons).
 TEST_F(CollectivesTest, IndependentCommunicators) {
-  std::unique_ptr<Communicator> other = MakeMpiCommunicator();
+  std::unique_ptr<Communicator> other = MakeWorld();
   at::Tensor a = at::full({5}, 1.0);
   at::Tensor b = at::full({5}, 2.0);
   auto wa = comm_->AllReduceAsync(a, ReduceOp::kSum, {});
@@ -146,10 +184,58 @@ std::string MappingOf(const void* address) {
   return "";
 }
 
+// Split into the even and the odd ranks: each group reduces on its own, ordered
+// by key (here: reversed ranks), and the world still works beside them.
+TEST_F(CollectivesTest, SplitGivesGroupsOfTheirOwn) {
+  if (!Gloo()) GTEST_SKIP() << "MPI's split needs MPI_THREAD_MULTIPLE from MPI_Init: tensor_parallel_test covers it";
+  std::unique_ptr<Communicator> group = comm_->Split(rank_ % 2, -rank_);
+  int members = 0, top = -1;
+  for (int r = rank_ % 2; r < size_; r += 2) ++members, top = r;
+  ASSERT_EQ(group->world_size(), members);
+  if (members > 1) {
+    EXPECT_EQ(group->rank(), (top - rank_) / 2);  // the highest rank first
+    at::Tensor t = at::full({7}, static_cast<double>(rank_));
+    group->AllReduce(t, ReduceOp::kSum);
+    double expected = 0;
+    for (int r = rank_ % 2; r < size_; r += 2) expected += r;
+    EXPECT_TRUE(t.eq(expected).all().item<bool>());
+  }
+  at::Tensor w = at::ones({3});
+  comm_->AllReduce(w, ReduceOp::kSum);
+  EXPECT_TRUE(w.eq(size_).all().item<bool>());
+}
+
+// A collective that the other ranks never join times out as a
+// CollectiveTimeoutError, and the communicator is broken after it; Abort breaks
+// a healthy one at once, with its reason.
+TEST_F(CollectivesTest, TimeoutAndAbortBreakTheCommunicator) {
+  if (!Gloo()) GTEST_SKIP() << "MPI's timeout is tested by collective_timeout.np2 (its communicator ends the job)";
+  std::unique_ptr<Communicator> lonely = MakeWorld();
+  if (rank_ == 0) {
+    at::Tensor t = at::ones({10});
+    const auto start = std::chrono::steady_clock::now();
+    EXPECT_THROW(lonely->AllReduce(t, ReduceOp::kSum, CollectiveOptions{std::chrono::milliseconds(500)}),
+                 CollectiveTimeoutError);
+    const double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+    EXPECT_LT(seconds, 5.0);
+    EXPECT_THAT([&] { lonely->AllReduce(t, ReduceOp::kSum); },
+                ::testing::ThrowsMessage<CollectiveError>(::testing::HasSubstr("broken")));
+  }
+  comm_->Barrier();  // the others wait here, never joining rank 0's all-reduce
+  std::unique_ptr<Communicator> aborted = MakeWorld();
+  aborted->Abort("a test said so");
+  EXPECT_THAT([&] { aborted->Barrier(); },
+              ::testing::ThrowsMessage<CollectiveError>(::testing::HasSubstr("a test said so")));
+  // Bad input is still a clear error, ahead of the broken state.
+  EXPECT_THROW(aborted->AllReduceAsync(at::ones({4, 4}).t(), ReduceOp::kSum, {}), InvalidArgumentError);
+  EXPECT_THROW(aborted->AllReduceAsync(at::ones({4}, at::kBool), ReduceOp::kSum, {}), InvalidArgumentError);
+}
+
 // On one host, float and double collective buffers live in shared memory whose
 // name is already gone (mapped "(deleted)"), and all-reducing a whole one (the
 // in-place path) gives the same sums and means as MPI, again and again.
 TEST_F(CollectivesTest, SharedCollectiveBuffersReduceInPlace) {
+  if (Gloo()) GTEST_SKIP() << "the gloo backend's collective buffers are plain tensors (no shared-memory path)";
   for (at::ScalarType type : {at::kFloat, at::kDouble}) {
     for (int64_t n : {int64_t{1}, int64_t{17}, int64_t{3 * 2048 + 5}, int64_t{(1 << 20) + 3}}) {
       SCOPED_TRACE(std::string(at::toString(type)) + " n=" + std::to_string(n));
@@ -185,6 +271,7 @@ TEST_F(CollectivesTest, SharedCollectiveBuffersReduceInPlace) {
 // Reduce-scatter from a shared buffer and all-gather into one (the sharded
 // strategies' path on one host) give what MPI gives, round after round.
 TEST_F(CollectivesTest, SharedCollectiveBuffersReduceScatterAndAllGather) {
+  if (Gloo()) GTEST_SKIP() << "the gloo backend's collective buffers are plain tensors (no shared-memory path)";
   for (at::ScalarType type : {at::kFloat, at::kDouble}) {
     for (int64_t slice : {int64_t{1}, int64_t{3 * 2048 + 5}, int64_t{(1 << 18) + 3}}) {
       SCOPED_TRACE(std::string(at::toString(type)) + " slice=" + std::to_string(slice));
@@ -241,6 +328,7 @@ TEST_F(CollectivesTest, CollectiveBuffersFallBackToPlainTensors) {
   EXPECT_EQ(uneven.numel(), 100 + rank_);
   EXPECT_THAT(MappingOf(uneven.data_ptr()), ::testing::Not(::testing::HasSubstr("lockstep-")));
   comm_->Barrier();
+  if (Gloo()) return;  // the rest is MPI's own option
 
   MpiOptions no_sharing;
   no_sharing.shared_memory_buffers = false;

@@ -56,6 +56,17 @@ class FunctionStore final : public c10d::Store {
   GlooStoreFunctions f_;
 };
 
+// libtorch 1.13's Gloo has no bfloat16: such tensors travel as float32 (exact
+// for bfloat16 values) and are rounded back when the collective completes.
+bool TravelsAsFloat(const at::Tensor& t) { return t.scalar_type() == at::kBFloat16; }
+at::Tensor Wire(const at::Tensor& t) { return TravelsAsFloat(t) ? t.to(at::kFloat) : t; }
+
+// What a c10::Error says, without libtorch's backtrace.
+std::string Describe(const std::exception& e) {
+  if (const auto* c10_error = dynamic_cast<const c10::Error*>(&e)) return c10_error->what_without_backtrace();
+  return e.what();
+}
+
 c10d::ReduceOp ToGloo(ReduceOp op) {
   return op == ReduceOp::kMax ? c10d::ReduceOp(c10d::ReduceOp::MAX) : c10d::ReduceOp(c10d::ReduceOp::SUM);
 }
@@ -105,7 +116,7 @@ class GlooWork final : public Work {
         completed = work_->isCompleted();
         if (completed) work_->wait();  // rethrows Gloo's error, if any
       } catch (const std::exception& e) {
-        Fail(absl::StrCat("gloo ", what_, ": ", e.what()), false);
+        Fail(absl::StrCat("gloo ", what_, ": ", Describe(e)), false);
       }
       if (completed) break;
       std::this_thread::sleep_for(std::min<std::chrono::milliseconds>(kSlice, left));
@@ -149,7 +160,7 @@ class GlooCommunicator final : public Communicator {
       group_ = c10::make_intrusive<c10d::ProcessGroupGloo>(store_, rank, world_size, pg_options);
     } catch (const std::exception& e) {
       throw CollectiveError(absl::StrCat("gloo: rank ", rank, " of ", world_size, " could not join the group on ",
-                                         options.hostname, ": ", e.what()));
+                                         options.hostname, ": ", Describe(e)));
     }
   }
 
@@ -169,13 +180,19 @@ class GlooCommunicator final : public Communicator {
       throw InvalidArgumentError("AllReduce: kAverage needs a floating-point tensor, got " +
                                  std::string(at::toString(tensor.scalar_type())));
     }
+    at::Tensor wire = Wire(tensor);
     std::function<void()> finish;
-    if (op == ReduceOp::kAverage) finish = [tensor, n = world_size_]() mutable { tensor.div_(n); };
+    if (op == ReduceOp::kAverage || TravelsAsFloat(tensor)) {
+      finish = [tensor, wire, average = op == ReduceOp::kAverage, n = world_size_]() mutable {
+        if (average) wire.div_(n);
+        if (!wire.is_same(tensor)) tensor.copy_(wire);
+      };
+    }
     if (tensor.numel() == 0) return Done(std::move(finish));
     c10d::AllreduceOptions opts;
     opts.reduceOp = ToGloo(op);
     opts.timeout = options.timeout;
-    std::vector<at::Tensor> tensors = {tensor};
+    std::vector<at::Tensor> tensors = {wire};
     return Launch("all-reduce", options, [&] { return group_->allreduce(tensors, opts); }, std::move(finish));
   }
 
@@ -185,14 +202,18 @@ class GlooCommunicator final : public Communicator {
     CheckSizes(output, input, world_size_, "AllGather");
     const int64_t n = input.numel();
     if (n == 0) return Done({});
-    std::vector<std::vector<at::Tensor>> outputs(1);
-    for (int r = 0; r < world_size_; ++r) outputs[0].push_back(output.narrow(0, r * n, n));
     // In place (input is this rank's slice of output): Gloo reads the input into
     // its own buffer before it writes the outputs.
-    std::vector<at::Tensor> inputs = {input};
+    std::vector<at::Tensor> inputs = {Wire(input)};
+    at::Tensor wire = TravelsAsFloat(output) ? at::empty(output.sizes(), output.options().dtype(at::kFloat)) : output;
+    std::vector<std::vector<at::Tensor>> outputs(1);
+    for (int r = 0; r < world_size_; ++r) outputs[0].push_back(wire.narrow(0, r * n, n));
+    std::function<void()> finish;
+    if (!wire.is_same(output)) finish = [output, wire]() mutable { output.copy_(wire); };
     c10d::AllgatherOptions opts;
     opts.timeout = options.timeout;
-    return Launch("all-gather", options, [&] { return group_->allgather(outputs, inputs, opts); }, {});
+    return Launch("all-gather", options, [&] { return group_->allgather(outputs, inputs, opts); },
+                  std::move(finish));
   }
 
   std::shared_ptr<Work> ReduceScatterAsync(at::Tensor output, at::Tensor input, ReduceOp op,
@@ -206,7 +227,7 @@ class GlooCommunicator final : public Communicator {
     const int64_t n = output.numel();
     if (n == 0) return Done({});
     // libtorch 1.13's Gloo has no reduce-scatter: all-reduce a copy, keep this rank's slice.
-    at::Tensor whole = input.clone();
+    at::Tensor whole = TravelsAsFloat(input) ? input.to(at::kFloat) : input.clone();
     std::function<void()> finish = [output, whole, n, rank = rank_, world = world_size_, op]() mutable {
       at::Tensor mine = whole.narrow(0, rank * n, n);
       if (op == ReduceOp::kAverage) mine.div_(world);
@@ -226,11 +247,14 @@ class GlooCommunicator final : public Communicator {
                                  std::to_string(world_size_));
     }
     if (tensor.numel() == 0) return Done({});
+    at::Tensor wire = Wire(tensor);
+    std::function<void()> finish;
+    if (!wire.is_same(tensor)) finish = [tensor, wire]() mutable { tensor.copy_(wire); };
     c10d::BroadcastOptions opts;
     opts.rootRank = root;
     opts.timeout = options.timeout;
-    std::vector<at::Tensor> tensors = {tensor};
-    return Launch("broadcast", options, [&] { return group_->broadcast(tensors, opts); }, {});
+    std::vector<at::Tensor> tensors = {wire};
+    return Launch("broadcast", options, [&] { return group_->broadcast(tensors, opts); }, std::move(finish));
   }
 
   std::shared_ptr<Work> BarrierAsync(const CollectiveOptions& options) override {
@@ -242,21 +266,11 @@ class GlooCommunicator final : public Communicator {
   void Abort(const std::string& reason) override { shared_->Break(reason); }
 
  protected:
-  // The group's members from every rank's (color, key), as MPI_Comm_split orders
-  // them; a new process group over the store, under a prefix of its own.
-  std::unique_ptr<Communicator> SplitGroup(int color, int key, const CollectiveOptions& options) override {
-    at::Tensor mine = at::tensor({static_cast<int64_t>(color), static_cast<int64_t>(key)}, at::kLong);
-    at::Tensor all = at::empty({2 * world_size_}, at::kLong);
-    AllGather(all, mine, options);
-    std::vector<std::pair<int64_t, int>> members;  // (key, rank) of this color
-    for (int r = 0; r < world_size_; ++r) {
-      if (all[2 * r].item<int64_t>() == color) members.emplace_back(all[2 * r + 1].item<int64_t>(), r);
-    }
-    std::sort(members.begin(), members.end());
-    int group_rank = 0;
-    for (size_t i = 0; i < members.size(); ++i) {
-      if (members[i].second == rank_) group_rank = static_cast<int>(i);
-    }
+  // A new process group of the members over the store, under a prefix of its own.
+  std::unique_ptr<Communicator> SplitGroup(int color, int /*key*/, const std::vector<int>& members,
+                                           const CollectiveOptions& /*options*/) override {
+    if (members.size() == 1) return MakeSingleProcessCommunicator();  // Gloo needs no part from the others
+    const int group_rank = static_cast<int>(std::find(members.begin(), members.end(), rank_) - members.begin());
     const std::string prefix = absl::StrCat("split", splits_++, "/color", color);
     auto store = c10::make_intrusive<c10d::PrefixStore>(prefix, store_);
     return std::make_unique<GlooCommunicator>(store, group_rank, static_cast<int>(members.size()), options_);
@@ -265,6 +279,14 @@ class GlooCommunicator final : public Communicator {
  private:
   void Check(const at::Tensor& tensor, const char* call) const {
     CheckCollectiveTensor(tensor, call);
+    switch (tensor.scalar_type()) {
+      case at::kFloat: case at::kDouble: case at::kHalf: case at::kBFloat16:
+      case at::kChar: case at::kByte: case at::kInt: case at::kLong:
+        break;
+      default:
+        throw InvalidArgumentError(std::string(call) + ": the gloo backend does not take " +
+                                   at::toString(tensor.scalar_type()) + " tensors");
+    }
     if (!tensor.device().is_cpu()) {
       throw InvalidArgumentError(std::string(call) + ": the gloo backend takes CPU tensors, got one on " +
                                  tensor.device().str() + " (use nccl for CUDA tensors)");
@@ -282,7 +304,7 @@ class GlooCommunicator final : public Communicator {
     try {
       work = start();
     } catch (const std::exception& e) {
-      const std::string message = absl::StrCat("gloo ", what, ": ", e.what());
+      const std::string message = absl::StrCat("gloo ", what, ": ", Describe(e));
       shared_->Break(message);
       throw CollectiveError(message);
     }

@@ -505,7 +505,8 @@ class MpiCommunicator final : public Communicator {
     }
   }
 
-  std::unique_ptr<Communicator> SplitGroup(int color, int key, const CollectiveOptions& options) override {
+  std::unique_ptr<Communicator> SplitGroup(int color, int key, const std::vector<int>& /*members*/,
+                                           const CollectiveOptions& options) override {
     if (mpi_thread_level.load() < MPI_THREAD_MULTIPLE) {
       throw InvalidArgumentError(absl::StrCat(
           "split: rank ", rank_, " would run communicators of ", world_size_, " and fewer ranks side by side, which "

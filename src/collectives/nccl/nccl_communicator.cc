@@ -177,7 +177,8 @@ class NcclCommunicator final : public Communicator {
   // ncclCommSplit (NCCL 2.18 and later): the new communicator shares this one's
   // bootstrap, so no unique id has to travel. Blocks until every rank of this
   // communicator has called it.
-  std::unique_ptr<Communicator> SplitGroup(int color, int key, const CollectiveOptions& options) override {
+  std::unique_ptr<Communicator> SplitGroup(int color, int key, const std::vector<int>& /*members*/,
+                                           const CollectiveOptions& options) override {
     (void)options;
     if (!broken_.empty()) throw CollectiveError("NCCL communicator is broken: " + broken_);
     LOCKSTEP_CUDA_CHECK(cudaSetDevice(device_));
