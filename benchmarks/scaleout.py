@@ -372,9 +372,10 @@ def main(argv=None):
         for r in result["allreduce"]:
             # lockstep_s: a gradient bucket's buffer (AllocateCollectiveBuffer: shared memory on
             # one host); lockstep_plain_s: an ordinary tensor (through MPI).
+            # gloo_s: the Gloo communicator (libtorch's c10d, loopback TCP), when built.
             row = {"bytes": r["bytes"], "lockstep_s": r["lockstep_s"], "mpi_s": r["mpi_s"],
-                   "lockstep_plain_s": r.get("lockstep_plain_s")}
-            for who in ("lockstep", "lockstep_plain", "mpi"):
+                   "lockstep_plain_s": r.get("lockstep_plain_s"), "gloo_s": r.get("gloo_s")}
+            for who in ("lockstep", "lockstep_plain", "mpi", "gloo"):
                 if row[f"{who}_s"] is None:
                     continue
                 algbw = r["bytes"] / r[f"{who}_s"] / 1e9
@@ -545,13 +546,16 @@ def print_report(results, frameworks):
                      "comm wait", "peak RSS MiB", "lockstep/this"], rows)
     for n, rows in results["collectives"].items():
         print_table(f"All-reduce, float32, {n} ranks (busbw = algbw * 2(n-1)/n; lockstep: a gradient bucket's "
-                    f"buffer, shared memory on one host; plain: an ordinary tensor, through MPI)",
+                    f"buffer, shared memory on one host; plain: an ordinary tensor, through MPI; gloo: the Gloo "
+                    f"communicator, loopback TCP)",
                     ["bytes", "lockstep ms", "algbw GB/s", "busbw GB/s", "plain ms", "MPI_Allreduce ms", "algbw GB/s",
-                     "busbw GB/s"],
+                     "busbw GB/s", "gloo ms", "gloo busbw GB/s"],
                     [[r["bytes"], fmt(r["lockstep_s"] * 1e3, ".3f"), fmt(r["lockstep_algbw_gbps"]),
                       fmt(r["lockstep_busbw_gbps"]),
                       fmt(r["lockstep_plain_s"] * 1e3 if r.get("lockstep_plain_s") is not None else None, ".3f"),
-                      fmt(r["mpi_s"] * 1e3, ".3f"), fmt(r["mpi_algbw_gbps"]), fmt(r["mpi_busbw_gbps"])]
+                      fmt(r["mpi_s"] * 1e3, ".3f"), fmt(r["mpi_algbw_gbps"]), fmt(r["mpi_busbw_gbps"]),
+                      fmt(r["gloo_s"] * 1e3 if r.get("gloo_s") is not None else None, ".3f"),
+                      fmt(r.get("gloo_busbw_gbps"))]
                      for r in rows])
     cost = results["cost_model"]
     if cost:

@@ -35,7 +35,9 @@
 // --mode=collectives: all-reduce of float32 messages of each size, the
 // Communicator against raw MPI_Allreduce on MPI_COMM_WORLD, in the same run: on
 // a buffer from AllocateCollectiveBuffer, as gradient buckets use ("lockstep_s"),
-// and on an ordinary tensor ("lockstep_plain_s").
+// on an ordinary tensor ("lockstep_plain_s"), and the Gloo communicator (libtorch's
+// c10d ProcessGroupGloo over loopback TCP, "gloo_s") when this build has it; its
+// ranks meet through the coordination service that the job environment starts.
 // Every rank runs the same fixed iteration counts (collectives must match).
 #include <ATen/ATen.h>
 #include <malloc.h>
@@ -60,6 +62,8 @@
 #include "lockstep/data.h"
 #include "lockstep/gpt.h"
 #include "lockstep/mesh.h"
+#include "lockstep/gloo_communicator.h"
+#include "lockstep/job.h"
 #include "lockstep/models.h"
 #include "lockstep/mpi_communicator.h"
 #include "lockstep/runtime.h"
@@ -512,8 +516,19 @@ std::vector<int64_t> ParseSizes(const std::string& text) {
 // Calls per timing: many for small messages, at least 5 for large ones.
 int Iterations(int64_t bytes) { return static_cast<int>(std::clamp<int64_t>((int64_t{64} << 20) / bytes, 5, 200)); }
 
-int RunCollectives(Communicator& comm) {
+int RunCollectives(Communicator& comm, const Runtime& runtime) {
   const int world = comm.world_size();
+  // Gloo beside MPI: the coordination service (rank 0) for its rendezvous.
+  std::unique_ptr<JobEnvironment> env;
+  std::unique_ptr<Communicator> gloo;
+  if (HaveGloo() && world > 1) {
+    JobEnvironmentOptions options;
+    options.backend = "mpi";
+    options.install_signal_handlers = false;
+    options.program = "scaleout_benchmark";
+    env = JobEnvironment::Create(options, runtime);
+    gloo = MakeGlooCommunicator(GlooStoreOverCoordination(*env->coordination(), "benchmark"), comm.rank(), world);
+  }
   std::ostringstream rows;
   rows.precision(9);
   bool first = true;
@@ -522,8 +537,8 @@ int RunCollectives(Communicator& comm) {
     // A buffer as gradient buckets get it (shared memory on one host).
     at::Tensor bucket = comm.AllocateCollectiveBuffer(bytes / 4, at::TensorOptions().dtype(at::kFloat)).fill_(1);
     const int n = Iterations(bytes);
-    // Three timings of n calls each, interleaved between the three; the median.
-    std::vector<double> raw, ours, plain;
+    // Three (four) timings of n calls each, interleaved; the median.
+    std::vector<double> raw, ours, plain, gloo_times;
     for (int rep = 0; rep < 4; ++rep) {
       MPI_Barrier(MPI_COMM_WORLD);
       auto start = Clock::now();
@@ -539,21 +554,32 @@ int RunCollectives(Communicator& comm) {
       start = Clock::now();
       for (int i = 0; i < n; ++i) comm.AllReduce(t, ReduceOp::kSum);
       const double plain_s = Since(start) / n;
+      double gloo_s = 0;
+      if (gloo) {
+        gloo->Barrier();
+        start = Clock::now();
+        for (int i = 0; i < n; ++i) gloo->AllReduce(t, ReduceOp::kSum);
+        gloo_s = Since(start) / n;
+      }
       if (rep == 0) continue;  // warm-up
       raw.push_back(raw_s);
       ours.push_back(ours_s);
       plain.push_back(plain_s);
+      gloo_times.push_back(gloo_s);
     }
     // The slowest rank's time is the collective's.
-    const std::vector<double> all = GatherAll(comm, {Median(raw), Median(ours), Median(plain)});
-    double raw_s = 0, ours_s = 0, plain_s = 0;
+    const std::vector<double> all = GatherAll(comm, {Median(raw), Median(ours), Median(plain), Median(gloo_times)});
+    double raw_s = 0, ours_s = 0, plain_s = 0, gloo_s = 0;
     for (int r = 0; r < world; ++r) {
-      raw_s = std::max(raw_s, all[3 * r]);
-      ours_s = std::max(ours_s, all[3 * r + 1]);
-      plain_s = std::max(plain_s, all[3 * r + 2]);
+      raw_s = std::max(raw_s, all[4 * r]);
+      ours_s = std::max(ours_s, all[4 * r + 1]);
+      plain_s = std::max(plain_s, all[4 * r + 2]);
+      gloo_s = std::max(gloo_s, all[4 * r + 3]);
     }
     rows << (first ? "" : ",") << "{\"bytes\":" << bytes << ",\"iterations\":" << n << ",\"mpi_s\":" << raw_s
-         << ",\"lockstep_s\":" << ours_s << ",\"lockstep_plain_s\":" << plain_s << "}";
+         << ",\"lockstep_s\":" << ours_s << ",\"lockstep_plain_s\":" << plain_s;
+    if (gloo) rows << ",\"gloo_s\":" << gloo_s;
+    rows << "}";
     first = false;
   }
   if (comm.rank() == 0) {
@@ -576,7 +602,7 @@ int Main() {
   std::unique_ptr<Communicator> comm = MakeMpiCommunicator(mpi);
   const std::string mode = absl::GetFlag(FLAGS_mode);
   if (mode == "train") return RunTrain(*comm, runtime);
-  if (mode == "collectives") return RunCollectives(*comm);
+  if (mode == "collectives") return RunCollectives(*comm, runtime);
   std::fprintf(stderr, "scaleout_benchmark: unknown --mode '%s' (train, collectives)\n", mode.c_str());
   return 2;
 }

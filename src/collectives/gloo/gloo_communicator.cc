@@ -102,7 +102,8 @@ class GlooWork final : public Work {
       if (!error_.empty()) throw CollectiveError(error_);
       return;
     }
-    // Short slices: Abort from another thread ends the wait within one.
+    // Waits of short slices on the work's condition variable: completion ends a
+    // slice at once, and Abort from another thread ends the wait within one.
     constexpr auto kSlice = std::chrono::milliseconds(50);
     while (true) {
       const std::string broken = shared_->Broken();
@@ -111,15 +112,14 @@ class GlooWork final : public Work {
       if (left.count() <= 0) {
         Fail(absl::StrCat("gloo ", what_, ": timed out (a peer is dead, stuck or called another collective)"), true);
       }
-      bool completed = false;
       try {
-        completed = work_->isCompleted();
-        if (completed) work_->wait();  // rethrows Gloo's error, if any
+        work_->wait(std::max(std::chrono::milliseconds(1), std::min<std::chrono::milliseconds>(kSlice, left)));
+        break;
       } catch (const std::exception& e) {
+        // c10d's wait throws when the slice ends first; a completed work threw its own error.
+        if (!work_->isCompleted()) continue;
         Fail(absl::StrCat("gloo ", what_, ": ", Describe(e)), false);
       }
-      if (completed) break;
-      std::this_thread::sleep_for(std::min<std::chrono::milliseconds>(kSlice, left));
     }
     if (finish_) finish_();
     done_ = true;
