@@ -7,9 +7,10 @@
 // worker threads over TCP; Work::Wait waits with the call's deadline in short
 // slices so that Abort (from the coordination client's thread) ends a wait at
 // once. On a timeout, a Gloo error or Abort the communicator is broken: every
-// later call fails with the first reason, and its process group is left to the
-// process's exit (destroying it would join worker threads that may still wait on
-// a dead peer until Gloo's own timeout).
+// later call fails with the first reason. Each collective carries its call's
+// timeout into Gloo too; a communicator destroyed while collectives still run
+// gives them 2 s, then leaves its process group to the process's exit (joining
+// would wait on a dead peer until those timeouts).
 //
 // Gloo has no average and, in libtorch 1.13, no reduce-scatter: an average is a
 // sum divided on the caller's thread in Wait, and a reduce-scatter is an

@@ -165,9 +165,22 @@ class GlooCommunicator final : public Communicator {
   }
 
   ~GlooCommunicator() override {
-    // A broken group may have worker threads waiting on a dead peer (until Gloo's
-    // own timeout): it is left to the process's exit rather than joined here.
-    if (!shared_->Broken().empty()) group_.release();
+    // Collectives still running hold the group's worker threads; each ends by
+    // its own timeout at the latest. Give them 2 s; a group whose workers still
+    // wait then (on a dead peer) is left to the process's exit rather than
+    // joined here.
+    const auto until = Clock::now() + std::chrono::seconds(2);
+    bool pending = false;
+    for (const c10::intrusive_ptr<c10d::Work>& work : launched_) {
+      const auto left = std::chrono::duration_cast<std::chrono::milliseconds>(until - Clock::now());
+      try {
+        if (!work->isCompleted() && left.count() > 0) work->wait(left);
+      } catch (const std::exception&) {
+        // its failure was, or would have been, reported by its Wait
+      }
+      pending = pending || !work->isCompleted();
+    }
+    if (pending) group_.release();
   }
 
   int rank() const override { return rank_; }
@@ -308,6 +321,11 @@ class GlooCommunicator final : public Communicator {
       shared_->Break(message);
       throw CollectiveError(message);
     }
+    // The works not yet seen complete, for the destructor.
+    launched_.erase(std::remove_if(launched_.begin(), launched_.end(),
+                                   [](const c10::intrusive_ptr<c10d::Work>& w) { return w->isCompleted(); }),
+                    launched_.end());
+    launched_.push_back(work);
     return std::make_shared<GlooWork>(shared_, std::move(work), Clock::now() + options.timeout, what,
                                       std::move(finish));
   }
@@ -335,6 +353,7 @@ class GlooCommunicator final : public Communicator {
   const std::shared_ptr<Shared> shared_ = std::make_shared<Shared>();
   c10::intrusive_ptr<c10d::ProcessGroupGloo> group_;
   int splits_ = 0;  // SplitGroup calls so far: each group's store prefix
+  std::vector<c10::intrusive_ptr<c10d::Work>> launched_;
 };
 
 }  // namespace
