@@ -115,10 +115,16 @@ class GlooWork final : public Work {
       try {
         work_->wait(std::max(std::chrono::milliseconds(1), std::min<std::chrono::milliseconds>(kSlice, left)));
         break;
-      } catch (const std::exception& e) {
-        // c10d's wait throws when the slice ends first; a completed work threw its own error.
+      } catch (const std::exception&) {
+        // c10d's wait throws when the slice ends first. The work may complete
+        // right after that: its own outcome then decides.
         if (!work_->isCompleted()) continue;
-        Fail(absl::StrCat("gloo ", what_, ": ", Describe(e)), false);
+        try {
+          work_->wait();  // completed: returns, or rethrows the work's own error
+          break;
+        } catch (const std::exception& e) {
+          Fail(absl::StrCat("gloo ", what_, ": ", Describe(e)), false);
+        }
       }
     }
     if (finish_) finish_();
