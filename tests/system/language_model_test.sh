@@ -29,21 +29,11 @@ config="--config=$source_dir/configs/kjv_gpt.textproto"
 "${mpirun[@]}" -np 2 "$train" "$config" --set="$flags,output_dir=$work/two" > "$work/two.log" 2>&1 ||
   { cat "$work/two.log"; fail "2 ranks"; }
 
-# "Step N: task loss" lines of both runs, compared to 1e-5 relative.
-losses() { grep -E '^Step +[0-9]+: (train|test) (loss|bits_per_byte) ' "$1" | sed -E 's/ +/ /g'; }
-losses "$work/one.log" > "$work/one.txt"
-losses "$work/two.log" > "$work/two.txt"
-lines=$(wc -l < "$work/one.txt")
-[[ $lines -ge 12 ]] || { cat "$work/one.log"; fail "expected at least 12 loss lines, got $lines"; }
-paste -d'|' "$work/one.txt" "$work/two.txt" | awk -F'|' '
-  { split($1, a, " "); split($3, b, " ");
-    if (a[2] != b[2] || a[3] != b[3] || a[4] != b[4]) { print "FAIL: line " NR ": " $0; bad = 1; next }
-    x = $2 + 0; y = $4 + 0; d = x - y; if (d < 0) d = -d; s = x < 0 ? -x : x;
-    if (d > 1e-5 * s) { printf "FAIL: %s: 1 process %.8f, 2 ranks %.8f\n", a[2] " " a[3] " " a[4], x, y; bad = 1 }
-    if (d > worst) worst = d / s }
-  END { if (bad) exit 1; printf "OK: %d loss lines agree, worst relative difference %.2g\n", NR, worst }' ||
-  { cat "$work/two.log"; fail "2 ranks and 1 process disagree"; }
-[[ $(wc -l < "$work/two.txt") -eq $lines ]] || fail "2 ranks printed $(wc -l < "$work/two.txt") loss lines, not $lines"
+# "Step N: train|test loss|bits_per_byte" lines of both runs, compared to 1e-5 relative.
+source "$source_dir/tests/system/loss_helpers.sh"  # loss_lines, compare_losses
+result=$(compare_losses "$work/one.log" "$work/two.log" 12 1e-5 "loss|bits_per_byte") ||
+  { cat "$work/two.log"; fail "2 ranks and 1 process disagree: $result"; }
+echo "OK: 2 ranks against 1 process: $result"
 
 for metric in bits_per_byte tokens_per_second tokens_per_second_per_rank mfu data_wait_fraction; do
   grep -q -E "^Step +20: train $metric \| [0-9.]+$" "$work/two.log" || { cat "$work/two.log"; fail "no train $metric"; }

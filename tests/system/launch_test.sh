@@ -21,20 +21,7 @@ fail() { echo "FAIL: $*"; exit 1; }
 local_sh=$source_dir/launch/local.sh
 config=--config=$source_dir/configs/fashion_mnist_cnn.textproto
 flags="num_train_steps=30,summary_every_steps=10,eval_every_steps=30,progress=lines,data.global_batch_size=126"
-losses() { grep -E '^Step +[0-9]+: (train|test) loss ' "$1" | sed -E 's/ +/ /g'; }
-close() {  # close A.log B.log WHAT: the same loss lines within 1e-5 relative
-  losses "$1" > "$work/a.txt"
-  losses "$2" > "$work/b.txt"
-  [[ $(wc -l < "$work/a.txt") -ge 3 && $(wc -l < "$work/a.txt") -eq $(wc -l < "$work/b.txt") ]] ||
-    { cat "$2"; fail "$3: $(wc -l < "$work/b.txt") loss lines against $(wc -l < "$work/a.txt")"; }
-  paste -d'|' "$work/a.txt" "$work/b.txt" | awk -F'|' -v what="$3" '
-    { split($1, a, " "); split($3, b, " ");
-      if (a[2] != b[2] || a[3] != b[3]) { print "FAIL: " what ": line " NR ": " $0; bad = 1; next }
-      x = $2 + 0; y = $4 + 0; d = x - y; if (d < 0) d = -d; s = x < 0 ? -x : x;
-      if (d > 1e-5 * s) { printf "FAIL: %s: %s %s: %.8f against %.8f\n", what, a[2], a[3], y, x; bad = 1 }
-      if (d / s > worst) worst = d / s }
-    END { if (bad) exit 1; printf "%d loss lines within %.2g relative", NR, worst }'
-}
+source "$source_dir/tests/system/loss_helpers.sh"  # loss_lines, compare_losses
 
 # 1.
 summary=""
@@ -46,7 +33,8 @@ for n in 2 3; do
   grep -q "^lockstep_train: $n rank(s) via torchrun, gloo backend" "$work/local$n.log" ||
     { head -3 "$work/local$n.log"; fail "local.sh -n $n did not run on $n gloo ranks"; }
   grep -q "^lockstep_train: $n rank(s) via mpirun, mpi backend" "$work/mpi$n.log" || fail "mpirun -np $n: not MPI"
-  result=$(close "$work/mpi$n.log" "$work/local$n.log" "local.sh -n $n against mpirun -np $n") || { echo "$result"; exit 1; }
+  result=$(compare_losses "$work/mpi$n.log" "$work/local$n.log" 3 1e-5) ||
+    { cat "$work/local$n.log"; fail "local.sh -n $n against mpirun -np $n: $result"; }
   summary+="$n ranks: $result; "
 done
 
@@ -60,7 +48,7 @@ for r in 0 1; do
   pids+=($!)
 done
 for pid in "${pids[@]}"; do wait "$pid" || { cat "$work/hand0.log" "$work/hand1.log"; fail "a hand-started rank failed"; }; done
-diff <(losses "$work/local2.log") <(losses "$work/hand0.log") || fail "hand-started ranks differ from local.sh -n 2"
+diff <(loss_lines "$work/local2.log") <(loss_lines "$work/hand0.log") || fail "hand-started ranks differ from local.sh -n 2"
 set +e
 env RANK=0 WORLD_SIZE=2 LOCAL_RANK=0 MASTER_ADDR=127.0.0.1 MASTER_PORT=$port LOCKSTEP_JOB_TOKEN= \
   timeout 60 "$train" "$config" --set="$flags,output_dir=$work/notoken" > "$work/notoken.log" 2>&1

@@ -43,20 +43,11 @@ launch() {  # launch RANKS MESH_MODEL OUTPUT_DIR STEPS LOG [lockstep_train flags
   if [[ $ranks -gt 1 ]]; then cmd=("${mpirun[@]}" -np "$ranks" "${cmd[@]}"); fi
   "${cmd[@]}" > "$log" 2>&1 || { cat "$log"; fail "$ranks rank(s), model axis $model, to step $steps (see above)"; }
 }
-losses() { grep -E '^Step +[0-9]+: (train|test) loss ' "$1" | sed -E 's/ +/ /g'; }
+source "$source_dir/tests/system/loss_helpers.sh"  # loss_lines, compare_losses
 same_losses() {  # same_losses A.log B.log WHAT
-  losses "$1" > "$work/a.txt"
-  losses "$2" > "$work/b.txt"
-  [[ $(wc -l < "$work/a.txt") -ge 5 && $(wc -l < "$work/a.txt") -eq $(wc -l < "$work/b.txt") ]] ||
-    { cat "$2"; fail "$3: $(wc -l < "$work/b.txt") loss lines against $(wc -l < "$work/a.txt")"; }
-  paste -d'|' "$work/a.txt" "$work/b.txt" | awk -F'|' -v what="$3" '
-    { split($1, a, " "); split($3, b, " ");
-      if (a[2] != b[2] || a[3] != b[3]) { print "FAIL: " what ": line " NR ": " $0; bad = 1; next }
-      x = $2 + 0; y = $4 + 0; d = x - y; if (d < 0) d = -d; s = x < 0 ? -x : x;
-      if (d > 1e-5 * s) { printf "FAIL: %s: %s %s: %.8f against %.8f\n", what, a[2], a[3], y, x; bad = 1 }
-      if (d / s > worst) worst = d / s }
-    END { if (bad) exit 1; printf "OK: %s: %d loss lines agree with 1 process, worst relative difference %.2g\n", what, NR, worst }' ||
-    fail "$3 disagrees with 1 process"
+  local result
+  result=$(compare_losses "$1" "$2" 5 1e-5) || { cat "$2"; fail "$3 disagrees with 1 process: $result"; }
+  echo "OK: $3: $result of 1 process"
 }
 
 # 1.
