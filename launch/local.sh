@@ -5,23 +5,27 @@
 # service that rank 0 starts there (on loopback); on CPU they then use the Gloo
 # backend (backend "auto").
 #
-#   launch/local.sh [-n N] [--port PORT] [--] PROGRAM [ARGS...]
+#   launch/local.sh [-n N] [--port PORT] [--keep-going] [--] PROGRAM [ARGS...]
 #   launch/local.sh -n 3 -- build/lockstep_train --config=configs/fashion_mnist_cnn.textproto
 #
 # The job token: LOCKSTEP_JOB_TOKEN if set, else 32 fresh random bytes. The port:
 # --port, else MASTER_PORT if set, else a free one. SIGTERM, SIGINT and SIGUSR1
 # are forwarded to every rank (a preemption notice reaches all of them). Exits
-# with the exit code of the first rank that failed, or 0 when all succeeded.
+# with the exit code of the first rank that failed, or 0 when all succeeded;
+# with --keep-going (a fault-tolerant job, which goes on without the ranks that
+# die), with rank 0's, and each rank that fails is named on stderr.
 set -uo pipefail
 me=launch/local.sh
 ranks=2
 port=${MASTER_PORT:-}
+keep_going=0
 while [[ $# -gt 0 ]]; do
   case "$1" in
     -n|--np) ranks=${2:-}; shift 2 || { echo "$me: -n needs a value" >&2; exit 2; } ;;
     --port) port=${2:-}; shift 2 || { echo "$me: --port needs a value" >&2; exit 2; } ;;
+    --keep-going) keep_going=1; shift ;;
     --) shift; break ;;
-    -h|--help) sed -n '2,14p' "$0" | sed 's/^# \{0,1\}//'; exit 0 ;;
+    -h|--help) sed -n '2,16p' "$0" | sed 's/^# \{0,1\}//'; exit 0 ;;
     -*) echo "$me: unknown option $1 (see --help)" >&2; exit 2 ;;
     *) break ;;
   esac
@@ -61,6 +65,7 @@ trap 'forward INT' INT
 trap 'forward USR1' USR1
 
 first_failure=0
+rank0_code=0
 running=("${pids[@]}")
 while [[ ${#running[@]} -gt 0 ]]; do
   finished=""
@@ -71,11 +76,13 @@ while [[ ${#running[@]} -gt 0 ]]; do
   still=()
   for pid in "${running[@]}"; do [[ $pid != "$finished" ]] && still+=("$pid"); done
   running=("${still[@]}")
-  if [[ $code -ne 0 && $first_failure -eq 0 ]]; then
-    first_failure=$code
+  if [[ $finished == "${pids[0]}" ]]; then rank0_code=$code; fi
+  if [[ $code -ne 0 && ($first_failure -eq 0 || $keep_going -eq 1) ]]; then
+    [[ $first_failure -eq 0 ]] && first_failure=$code
     for ((r = 0; r < ranks; ++r)); do
       [[ ${pids[$r]} == "$finished" ]] && echo "$me: rank $r (pid $finished) exited with $code" >&2
     done
   fi
 done
+if [[ $keep_going -eq 1 ]]; then exit "$rank0_code"; fi
 exit "$first_failure"

@@ -150,6 +150,10 @@ class CheckpointManager {
   // (recorded as replicated: it loads on any mesh and strategy); Restore slices
   // them again. Not owned; null: the layout spans the world.
   void set_data_axis(Communicator* data_axis) { data_axis_ = data_axis; }
+  // A fault-tolerant job whose world changed (a rank left): this rank's new place
+  // and the coordination client that spans the new world. Waits for the save in
+  // flight first. Replicated state only (a sharded layout is per world).
+  void SetWorld(int rank, int world_size, CoordinationClient* coordination);
   // Blocks until the save in flight has copied the state (overlap_copy); after it
   // the caller may change parameters and optimizer state. Cheap when nothing waits.
   void AwaitSnapshot();
@@ -187,9 +191,9 @@ class CheckpointManager {
   void ApplyRetention(int64_t committed_step);
 
   const CheckpointOptions options_;
-  const int rank_;
-  const int world_size_;
-  CoordinationClient* const coordination_;  // Not owned.
+  int rank_;
+  int world_size_;
+  CoordinationClient* coordination_;  // Not owned.
   // A sharded layout on a mesh (set_data_axis): throws InvalidArgumentError
   // unless it slices over the data axis and keeps the parameters whole.
   void CheckMeshLayout(const ShardedLayout& layout) const;

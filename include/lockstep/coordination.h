@@ -71,7 +71,20 @@ struct CoordinationServiceOptions {
   int64_t max_keys = 100000;
   absl::Duration max_wait = absl::Hours(24);  // longest blocking get / barrier / registration
   bool log_refusals = true;  // refused calls on stderr
+  // Fault-tolerant jobs: a rank that dies (its heartbeats stop, or its connection
+  // closes without a goodbye) leaves the job instead of failing it, as long as
+  // `min_ranks` ranks remain. Each change of membership starts an epoch: the
+  // service sets "lockstep/ft/epoch" to the epoch's number and
+  // "lockstep/ft/epoch/<n>" to its ranks ("0,2"), epoch 0 being the whole world
+  // once it has registered, and sends a kMemberLeft event. Barriers then wait for
+  // the live ranks only, and a removed rank's heartbeats are refused (ABORTED).
+  bool fault_tolerant = false;
+  int min_ranks = 1;
 };
+
+// Keys of the fault-tolerant membership (CoordinationServiceOptions::fault_tolerant).
+inline constexpr char kEpochKey[] = "lockstep/ft/epoch";
+std::string EpochMembersKey(int64_t epoch);  // "lockstep/ft/epoch/<epoch>"
 
 class CoordinationService {
  public:
@@ -103,7 +116,8 @@ struct PeerInfo {
 std::string DescribePeer(const PeerInfo& peer);
 
 struct CoordinationEvent {
-  enum class Kind { kPeerFailed, kCoordinatorLost, kPreemptionNotice, kShutdown };
+  // kMemberLeft: a fault-tolerant job lost `peer` and goes on without it.
+  enum class Kind { kPeerFailed, kCoordinatorLost, kPreemptionNotice, kShutdown, kMemberLeft };
   Kind kind = Kind::kPeerFailed;
   PeerInfo peer;        // the rank concerned (rank 0 for kCoordinatorLost when hosted there)
   std::string message;  // complete: names the rank, its host and what happened

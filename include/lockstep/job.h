@@ -163,6 +163,22 @@ struct CoordinationSetup {
   TlsOptions tls;
 };
 
+// Fault tolerance for replicated data parallelism on the Gloo backend. When a
+// rank other than 0 dies (killed: its connection to the coordination service
+// closes; hung: its heartbeats stop for heartbeat_timeout), the service removes
+// it and starts a new epoch of membership instead of failing the job, as long as
+// `min_ranks` ranks remain. The survivors' collectives fail (the service's event
+// aborts any that wait), and TrainingJob::Run then: reads the new membership,
+// makes a Gloo group among the survivors, rolls every survivor back to the last
+// step that all of them completed (it keeps the train state of the last two
+// steps in memory), re-splits the global batch over the new world and goes on,
+// with no restart and no checkpoint read. Rank 0 hosts the service: its death
+// ends the job as without fault tolerance. A rank cannot join a running job.
+struct FaultToleranceOptions {
+  bool enabled = false;
+  int min_ranks = 1;  // fewer live ranks than this: the job fails (exit 4)
+};
+
 struct JobEnvironmentOptions {
   std::string device = "auto";   // "auto" (cuda:<local rank> when there is a GPU), "cpu", "cuda:N"
   // "auto": nccl on a GPU; on CPU, mpi when mpirun (or srun with PMIx) started
@@ -180,6 +196,7 @@ struct JobEnvironmentOptions {
   // Zero disables the exit: the caller then relies on collectives failing.
   absl::Duration peer_failure_grace = absl::Seconds(3);
   int peer_failure_exit_code = kExitPeerFailed;
+  FaultToleranceOptions fault_tolerance;
 };
 
 class JobEnvironment {
@@ -197,10 +214,30 @@ class JobEnvironment {
   const Runtime& runtime() const { return runtime_; }
   const std::string& device() const { return device_; }
   // Null for a world of one (except backend "nccl"). Not owned by the caller.
+  // A fault-tolerant job's changes after Reconfigure.
   Communicator* communicator() const { return communicator_.get(); }
   CollectiveOptions collective_options() const;
-  // Null when coordination is off.
-  CoordinationClient* coordination() const { return client_.get(); }
+  // Null when coordination is off. After Reconfigure, a view of the client for
+  // the new world: its rank and world size are the new ones, and its keys and
+  // barriers are the epoch's own.
+  CoordinationClient* coordination() const { return view_ ? view_.get() : client_.get(); }
+
+  // Fault-tolerant jobs (options().fault_tolerance): the ranks that train now.
+  struct Membership {
+    int64_t epoch = 0;
+    std::vector<int> ranks;  // their ranks at start-up, ascending
+    int rank = 0;            // this rank's place among them
+    int world_size = 1;
+  };
+  bool fault_tolerant() const { return options_.fault_tolerance.enabled && client_ != nullptr; }
+  const Membership& membership() const { return membership_; }
+  // After this rank's work failed with `error` in a fault-tolerant job: waits (up
+  // to heartbeat_timeout + 5 s) for the service to start a new epoch, makes a
+  // Gloo communicator among its ranks and returns the membership. The old
+  // communicator stays (aborted) until the environment goes. Throws Error with
+  // `error` when no rank left in that time (a failure the job does not
+  // survive), or when this rank is the one that was removed.
+  const Membership& Reconfigure(const std::string& error);
   bool hosts_coordination_service() const { return service_ != nullptr; }
   const std::string& coordination_address() const { return address_; }
   const std::string& job_id() const { return job_id_; }
@@ -236,6 +273,12 @@ class JobEnvironment {
   std::unique_ptr<CoordinationClient> client_;
   std::unique_ptr<Communicator> communicator_;
   std::unique_ptr<PreemptionSyncPoint> preemption_;
+  // Fault tolerance: the membership, the communicators of earlier epochs, the
+  // client's view for this epoch, and what Gloo needs to make a group.
+  Membership membership_;
+  std::vector<std::unique_ptr<Communicator>> retired_;
+  std::unique_ptr<CoordinationClient> view_;
+  std::string gloo_hostname_;
 
   // Read by the coordination client's thread.
   std::atomic<Communicator*> abort_target_{nullptr};
@@ -278,6 +321,12 @@ struct JobOptions {
   bool final_checkpoint = true;
   // Called on the training thread after every step (a progress bar, say).
   std::function<void(int64_t step)> on_step;
+  // Fault-tolerant jobs (FaultToleranceOptions): called on every remaining rank
+  // once the world has changed, with this rank's new place; returns a fresh train
+  // iterator for that world, into which the job restores the position. Eval
+  // sets' make_iterator must give the new world's shards from then on. Required
+  // when the environment is fault-tolerant.
+  std::function<std::unique_ptr<BatchIterator>(int rank, int world_size)> on_world_changed;
 };
 
 struct JobResult {

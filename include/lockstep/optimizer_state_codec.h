@@ -87,6 +87,12 @@ std::shared_ptr<const OptimizerStateCodec> FindOptimizerStateCodec(const torch::
 // The optimizer's type, demangled ("torch::optim::SGD"), for messages.
 std::string OptimizerTypeName(const torch::optim::Optimizer& optimizer);
 
+struct TrainState;
+// The optimizer's parameters in its own order, each with its name in the model
+// (a replicated state's). Throws InvalidArgumentError when the optimizer holds
+// a tensor that is not one of the model's parameters.
+NamedParameters OptimizerParameters(const TrainState& state);
+
 }  // namespace lockstep
 
 #endif  // LOCKSTEP_OPTIMIZER_STATE_CODEC_H_

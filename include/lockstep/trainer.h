@@ -57,6 +57,14 @@ class BaseTrainer {
   // rank 0's halting decision is shared with them. Null or a world of one: this
   // process alone. Set it before the first Train or Eval. Not owned.
   void set_communicator(Communicator* communicator, CollectiveOptions options = {});
+  // A fault-tolerant job whose world changed (a rank left, lockstep/job.h):
+  // `communicator` spans the ranks that remain. A collective over them. Drops
+  // the metrics managers, whose unfinished periods the job then restores from its
+  // snapshot of the last step, and rebinds. A subclass that holds the
+  // communicator itself overrides it, calls this first, and rebinds its own
+  // parts (Trainer rebuilds its data parallelism); the default refuses a trainer
+  // on a mesh. Not owned.
+  virtual void ChangeCommunicator(Communicator* communicator);
   // For a subclass that lays its model out on a data x model mesh (mesh.h): the
   // mesh and the partitioner of the job's rules, both borrowed (they must outlive
   // the trainer). Sets the communicator to mesh->world(), so metrics and halting
@@ -222,6 +230,11 @@ class Trainer : public BaseTrainer {
   DataParallel* data_parallel() { return data_parallel_.get(); }
   // Null when training alone or replicated.
   ShardedDataParallel* sharded_data_parallel() { return sharded_.get(); }
+
+  // Replicated data parallelism without a mesh only: a new DataParallel over
+  // `communicator` (its start-up check and broadcast of rank 0's parameters).
+  // Throws InvalidArgumentError for a sharded strategy or a mesh.
+  void ChangeCommunicator(Communicator* communicator) override;
 
  protected:
   MetricMap TrainStep(const Batch& batch) override;

@@ -24,9 +24,11 @@
 #include <filesystem>
 #include <fstream>
 #include <functional>
+#include <optional>
 #include <set>
 #include <sstream>
 #include <unordered_map>
+#include <utility>
 
 #include "absl/strings/ascii.h"
 #include "lockstep/tensor_parallel.h"
@@ -357,22 +359,6 @@ std::string FirstDifference(const std::string& saved, const std::string& now) {
   return "the texts agree, the fingerprints do not";
 }
 
-// Parameter name by TensorImpl, to name optimizer state.
-// The optimizer's parameters in param-group order, named as in the model.
-NamedParameters OptimizerParameters(const TrainState& state) {
-  std::unordered_map<const void*, std::string> names;
-  for (const auto& item : state.model->named_parameters()) names[item.value().unsafeGetTensorImpl()] = item.key();
-  NamedParameters out;
-  for (const auto& group : state.optimizer->param_groups()) {
-    for (const at::Tensor& p : group.params()) {
-      auto name = names.find(p.unsafeGetTensorImpl());
-      if (name == names.end()) throw CheckpointError("the optimizer holds a parameter the model does not");
-      out.emplace_back(name->second, p);
-    }
-  }
-  return out;
-}
-
 at::Tensor BytesTensor(const std::string& bytes) {
   at::Tensor t = at::empty({static_cast<int64_t>(bytes.size())}, at::kByte);
   if (!bytes.empty()) std::memcpy(t.data_ptr(), bytes.data(), bytes.size());
@@ -402,6 +388,32 @@ std::optional<Piece> PieceOf(const ShardedLayout::Unit& unit, const ShardedLayou
   const int64_t last = std::min(member.offset + member.numel, (rank + 1) * unit.slice);
   if (first >= last) return std::nullopt;
   return Piece{first - member.offset, last - member.offset, first - rank * unit.slice};
+}
+
+// "unit<u>/<field>", the name the optimizer's codec gives a value of unit u
+// under a sharded layout: u and the field, or nothing for any other name.
+std::optional<std::pair<size_t, std::string>> ParseUnitKey(const std::string& key, size_t num_units) {
+  size_t u = 0;
+  const size_t slash = key.find('/');
+  if (key.rfind("unit", 0) != 0 || slash == std::string::npos || !absl::SimpleAtoi(key.substr(4, slash - 4), &u) ||
+      u >= num_units) {
+    return std::nullopt;
+  }
+  return std::make_pair(u, key.substr(slash + 1));
+}
+
+// A value that a sharded partitioning splits must hold one value per element of the unit's slice.
+void CheckSplittable(const ShardedLayout::Unit& unit, const std::string& field, const at::Tensor& value) {
+  if (value.dim() != 1 || value.numel() != unit.slice) {
+    throw InvalidArgumentError(absl::StrCat("checkpoint: the optimizer's '", field, "' has shape ",
+                                            c10::str(value.sizes()), ", not one value per parameter element; "
+                                            "a sharded partitioning cannot split it"));
+  }
+}
+
+[[noreturn]] void RefuseArchive(const std::string& key) {
+  throw InvalidArgumentError("checkpoint: the optimizer's state ('" + key +
+                             "') is an archive, which a sharded partitioning cannot split");
 }
 
 // The optimizer's parameters under a sharded layout: unit u's slice, named "unit<u>".
@@ -646,6 +658,22 @@ void CheckpointManager::Wait() {
   if (in_flight_.valid()) in_flight_.get();
 }
 
+void CheckpointManager::SetWorld(int rank, int world_size, CoordinationClient* coordination) {
+  if (rank < 0 || rank >= world_size) {
+    throw InvalidArgumentError(absl::StrCat("checkpoint: rank ", rank, " of a world of ", world_size));
+  }
+  try {
+    Wait();
+  } catch (const std::exception& e) {
+    // A save that a lost rank left unfinished is never committed, so it is never loaded.
+    std::fprintf(stderr, "lockstep: rank %d: the checkpoint save in flight when the world changed is abandoned: %s\n",
+                 rank_, e.what());
+  }
+  rank_ = rank;
+  world_size_ = world_size;
+  coordination_ = coordination;
+}
+
 void CheckpointManager::set_model_axis(Communicator* model_axis, int model_index,
                                        std::vector<ParameterLayout> layouts) {
   split_.clear();
@@ -750,22 +778,16 @@ void CheckpointManager::Save(const TrainState& state, const ShardExtras& extras,
       // value is all-gathered over the data axis, cut into its members (this model
       // index's shards) and gathered whole over the model axis by `whole`.
       auto unit_and_field = [&](const std::string& key) {
-        size_t u = 0;
-        const size_t slash = key.find('/');
-        if (key.rfind("unit", 0) != 0 || slash == std::string::npos ||
-            !absl::SimpleAtoi(key.substr(4, slash - 4), &u) || u >= layout->units.size()) {
+        auto parsed = ParseUnitKey(key, layout->units.size());
+        if (!parsed) {
           throw InvalidArgumentError("checkpoint: the optimizer's codec wrote '" + key + "', not a parameter's value");
         }
-        return std::make_pair(u, key.substr(slash + 1));
+        return *parsed;
       };
       writer.put_tensor = [&](const std::string& key, const at::Tensor& value) {
         const auto [u, field] = unit_and_field(key);
         const ShardedLayout::Unit& unit = layout->units[u];
-        if (value.dim() != 1 || value.numel() != unit.slice) {
-          throw InvalidArgumentError(absl::StrCat("checkpoint: the optimizer's '", field, "' has shape ",
-                                                  c10::str(value.sizes()), ", not one value per parameter element; "
-                                                  "a sharded partitioning cannot split it"));
-        }
+        CheckSplittable(unit, field, value);
         const at::Tensor input = value.detach().contiguous();
         at::Tensor flat = at::empty({unit.slice * layout->world_size}, input.options());
         data_axis_->AllGather(flat, input);
@@ -780,10 +802,7 @@ void CheckpointManager::Save(const TrainState& state, const ShardExtras& extras,
           job->values.insert(absl::StrCat(kOptimizerPrefix, member.name, "/", field), value);
         }
       };
-      writer.put_bytes = [&](const std::string& key, const std::string&) {
-        throw InvalidArgumentError("checkpoint: the optimizer's state ('" + key +
-                                   "') is an archive, which a sharded partitioning cannot split");
-      };
+      writer.put_bytes = [&](const std::string& key, const std::string&) { RefuseArchive(key); };
       FindOptimizerStateCodec(*state.optimizer)->Save(*state.optimizer, UnitParameters(*layout), writer);
     }
   } else {
@@ -815,22 +834,16 @@ void CheckpointManager::Save(const TrainState& state, const ShardExtras& extras,
     // The codec sees one parameter per unit, "unit<u>"; its values per element
     // are split over the members, its scalars go with every piece.
     auto unit_and_field = [&](const std::string& key) {
-      size_t u = 0;
-      const size_t slash = key.find('/');
-      if (key.rfind("unit", 0) != 0 || slash == std::string::npos || !absl::SimpleAtoi(key.substr(4, slash - 4), &u) ||
-          u >= layout->units.size()) {
+      auto parsed = ParseUnitKey(key, layout->units.size());
+      if (!parsed) {
         throw InvalidArgumentError("checkpoint: the optimizer's codec wrote '" + key + "', not a parameter's value");
       }
-      return std::make_pair(u, key.substr(slash + 1));
+      return *parsed;
     };
     writer.put_tensor = [&](const std::string& key, const at::Tensor& value) {
       const auto [u, field] = unit_and_field(key);
       const ShardedLayout::Unit& unit = layout->units[u];
-      if (value.dim() != 1 || value.numel() != unit.slice) {
-        throw InvalidArgumentError(absl::StrCat("checkpoint: the optimizer's '", field, "' has shape ",
-                                                c10::str(value.sizes()), ", not one value per parameter element; "
-                                                "a sharded partitioning cannot split it"));
-      }
+      CheckSplittable(unit, field, value);
       fields[u].insert(field);
       for (const ShardedLayout::Member& member : unit.members) {
         if (auto piece = PieceOf(unit, member, rank_)) {
@@ -845,10 +858,7 @@ void CheckpointManager::Save(const TrainState& state, const ShardExtras& extras,
         if (PieceOf(unit, member, rank_)) job->values.insert(absl::StrCat(kOptimizerPrefix, member.name, "/", field), value);
       }
     };
-    writer.put_bytes = [&](const std::string& key, const std::string&) {
-      throw InvalidArgumentError("checkpoint: the optimizer's state ('" + key +
-                                 "') is an archive, which a sharded partitioning cannot split");
-    };
+    writer.put_bytes = [&](const std::string& key, const std::string&) { RefuseArchive(key); };
     FindOptimizerStateCodec(*state.optimizer)->Save(*state.optimizer, UnitParameters(*layout), writer);
     if (rank_ == 0) {
       // Every rank's pieces, for the manifest. Rank 0 holds a slice of every
@@ -1234,13 +1244,9 @@ ShardExtras CheckpointManager::Restore(const FoundCheckpoint& found, TrainState&
       // "unit<u>/<field>": this rank's slice of the unit, assembled from the
       // members' values (zeros in the padding); a scalar from the unit's first member.
       auto unit_and_field = [&](const std::string& key) {
-        size_t u = 0;
-        const size_t slash = key.find('/');
-        if (key.rfind("unit", 0) != 0 || slash == std::string::npos ||
-            !absl::SimpleAtoi(key.substr(4, slash - 4), &u) || u >= layout->units.size()) {
-          throw InvalidArgumentError("checkpoint: the optimizer's codec asked for '" + key + "'");
-        }
-        return std::make_pair(u, key.substr(slash + 1));
+        auto parsed = ParseUnitKey(key, layout->units.size());
+        if (!parsed) throw InvalidArgumentError("checkpoint: the optimizer's codec asked for '" + key + "'");
+        return *parsed;
       };
       auto first_member_key = [&](const std::string& key) {
         const auto [u, field] = unit_and_field(key);

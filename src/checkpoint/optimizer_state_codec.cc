@@ -10,6 +10,7 @@
 #include <map>
 #include <mutex>
 #include <sstream>
+#include <unordered_map>
 
 #include "lockstep/errors.h"
 #include "lockstep/sgd.h"
@@ -165,6 +166,20 @@ std::shared_ptr<const OptimizerStateCodec> FindOptimizerStateCodec(const torch::
   }
   static const auto archive = std::make_shared<ArchiveCodec>();
   return archive;
+}
+
+NamedParameters OptimizerParameters(const TrainState& state) {
+  std::unordered_map<const void*, std::string> names;
+  for (const auto& item : state.model->named_parameters()) names[item.value().unsafeGetTensorImpl()] = item.key();
+  NamedParameters out;
+  for (const auto& group : state.optimizer->param_groups()) {
+    for (const at::Tensor& p : group.params()) {
+      auto name = names.find(p.unsafeGetTensorImpl());
+      if (name == names.end()) throw InvalidArgumentError("the optimizer holds a parameter the model does not");
+      out.emplace_back(name->second, p);
+    }
+  }
+  return out;
 }
 
 }  // namespace lockstep

@@ -165,7 +165,7 @@ std::string ResumeRelevantConfigText(const config::TrainerConfig& config) {
   for (const char* field : {"output_dir", "num_train_steps", "eval_every_steps", "summary_every_steps", "progress", "progress_updates",
                             "weight_metrics", "num_threads", "backend", "device", "bucket_mb",
                             "collective_timeout_seconds", "coordination", "checkpoint",
-                            "partitioning"}) {
+                            "partitioning", "fault_tolerance"}) {
     const pb::FieldDescriptor* descriptor = c.GetDescriptor()->FindFieldByName(field);
     if (descriptor != nullptr) c.GetReflection()->ClearField(&c, descriptor);
   }
@@ -297,6 +297,20 @@ absl::Status ValidateConfig(const config::TrainerConfig& c, int world_size) {
   check.Require(e.rtol() >= 0, "early_stopping.rtol", "must be >= 0", e.rtol());
   check.Require(c.collective_timeout_seconds() > 0, "collective_timeout_seconds", "must be > 0",
                 c.collective_timeout_seconds());
+  if (c.fault_tolerance().enabled()) {
+    const auto& f = c.fault_tolerance();
+    check.Require(f.min_ranks() >= 1 && f.min_ranks() <= world_size, "fault_tolerance.min_ranks",
+                  absl::StrCat("must be in [1, ", world_size, "] (the world size)"), f.min_ranks());
+    check.Require(strategy == "replicated", "partitioning.strategy",
+                  "must be replicated with fault_tolerance (sharded state is not rebuilt on fewer ranks in flight)",
+                  strategy);
+    check.Require(c.partitioning().mesh().model() <= 1, "partitioning.mesh.model",
+                  "must be 1 with fault_tolerance (a model axis cannot lose a rank)", c.partitioning().mesh().model());
+    check.Require(c.backend() == "auto" || c.backend() == "gloo", "backend",
+                  "must be gloo or auto with fault_tolerance (its groups are Gloo's)", c.backend());
+    check.Require(!c.coordination().standalone(), "coordination.standalone",
+                  "must be false with fault_tolerance (rank 0 hosts the service)", c.coordination().standalone());
+  }
   const auto& k = c.coordination();
   check.Require(k.mode() == "auto" || k.mode() == "on" || k.mode() == "off", "coordination.mode",
                 "must be one of auto, on, off", k.mode());

@@ -35,6 +35,8 @@ JobEnvironmentOptions ToJobEnvironmentOptions(const config::TrainerConfig& cfg) 
   o.coordination.tls.cert_file = c.tls_cert_file();
   o.coordination.tls.key_file = c.tls_key_file();
   o.coordination.tls.ca_file = c.tls_ca_file();
+  o.fault_tolerance.enabled = cfg.fault_tolerance().enabled();
+  o.fault_tolerance.min_ranks = cfg.fault_tolerance().min_ranks();
   return o;
 }
 

@@ -360,6 +360,9 @@ class Client final : public CoordinationClient {
       case pb::Event::SHUTDOWN:
         out.kind = CoordinationEvent::Kind::kShutdown;
         break;
+      case pb::Event::MEMBER_LEFT:
+        out.kind = CoordinationEvent::Kind::kMemberLeft;
+        break;
       default:
         return;
     }

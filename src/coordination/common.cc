@@ -57,6 +57,8 @@ coordination::PeerInfo ToProto(const PeerInfo& peer) {
   return out;
 }
 
+std::string EpochMembersKey(int64_t epoch) { return absl::StrCat(kEpochKey, "/", epoch); }
+
 std::string DescribePeer(const PeerInfo& peer) {
   return absl::StrFormat("rank %d (host %s, pid %d)", peer.rank, peer.host.empty() ? "?" : peer.host, peer.pid);
 }

@@ -8,6 +8,7 @@
 #include <algorithm>
 #include <cstdio>
 #include <map>
+#include <optional>
 #include <memory>
 #include <string>
 #include <thread>
@@ -28,6 +29,10 @@ namespace {
 namespace pb = ::lockstep::coordination;
 
 constexpr absl::Duration kPollSlice = absl::Milliseconds(200);
+// How long a rank may be without an event stream (a client reconnecting, or
+// one that cancels its stream right before its goodbye) before a fault-tolerant
+// job counts it dead.
+constexpr absl::Duration kStreamGrace = absl::Milliseconds(500);
 
 grpc::Status ToGrpc(const absl::Status& status) {
   if (status.ok()) return grpc::Status::OK;
@@ -165,6 +170,7 @@ class Service final : public pb::Coordination::Service, public CoordinationServi
     if (AllRegisteredLocked() && !world_complete_) {
       world_complete_ = true;
       for (RankState& r : ranks_) r.last_heartbeat = now;  // the clock starts for everyone at once
+      if (options_.fault_tolerant) PublishEpochLocked();
     }
     const absl::Time deadline = now + timeout;
     auto ready = [this] { return world_complete_ || stopping_ || !failure_.empty(); };
@@ -201,6 +207,11 @@ class Service final : public pb::Coordination::Service, public CoordinationServi
       return ToGrpc(s);
     }
     if (!failure_.empty()) return AbortedLocked(context);
+    if (slot.dead) {
+      // Only in a fault-tolerant job does a dead rank's slot outlive the job's failure.
+      return ToGrpc(absl::AbortedError(absl::StrCat(DescribePeer(slot.info), " was removed from the job: ",
+                                                    slot.removal)));
+    }
     slot.last_heartbeat = absl::Now();
     slot.step = request->step();
     return grpc::Status::OK;
@@ -306,8 +317,12 @@ class Service final : public pb::Coordination::Service, public CoordinationServi
     std::vector<int64_t>& arrivals = it->second;
     if (arrivals.empty()) arrivals.assign(options_.world_size, 0);
     const int64_t generation = ++arrivals[request->rank()];
-    auto complete = [&arrivals, generation] {
-      return *std::min_element(arrivals.begin(), arrivals.end()) >= generation;
+    // In a fault-tolerant job the ranks that left do not count.
+    auto complete = [this, &arrivals, generation] {
+      for (size_t r = 0; r < arrivals.size(); ++r) {
+        if (arrivals[r] < generation && !ranks_[r].dead) return false;
+      }
+      return true;
     };
     auto ready = [&] { return complete() || stopping_ || !failure_.empty(); };
     const absl::Time deadline = absl::Now() + timeout;
@@ -319,7 +334,7 @@ class Service final : public pb::Coordination::Service, public CoordinationServi
       if (absl::Now() >= deadline) {
         std::vector<int> missing;
         for (int r = 0; r < options_.world_size; ++r) {
-          if (arrivals[r] < generation) missing.push_back(r);
+          if (arrivals[r] < generation && !ranks_[r].dead) missing.push_back(r);
         }
         return ToGrpc(absl::DeadlineExceededError(absl::StrFormat(
             "barrier '%s': %s of %d did not arrive within %s", request->name(),
@@ -363,6 +378,24 @@ class Service final : public pb::Coordination::Service, public CoordinationServi
   grpc::Status WatchEvents(grpc::ServerContext* context, const pb::WatchRequest* request,
                            grpc::ServerWriter<pb::Event>* writer) override {
     if (auto s = Authenticate(context, "WatchEvents"); !s.ok()) return ToGrpc(s);
+    if (auto s = CheckRank(request->rank()); !s.ok()) return ToGrpc(s);
+    // A fault-tolerant job reads a watcher's stream that closes without a goodbye
+    // as the rank's death (a killed process), well before its heartbeats lapse.
+    {
+      absl::MutexLock lock(&mu_);
+      RankState& slot = ranks_[request->rank()];
+      ++slot.watchers;
+      slot.stream_lost.reset();
+    }
+    struct StreamEnd {
+      Service* service;
+      int rank;
+      ~StreamEnd() {
+        absl::MutexLock lock(&service->mu_);
+        RankState& slot = service->ranks_[rank];
+        if (--slot.watchers == 0) slot.stream_lost = absl::Now();
+      }
+    } stream_end{this, request->rank()};
     int64_t next = std::max<int64_t>(request->after_sequence(), 0);
     while (true) {
       std::vector<pb::Event> batch;
@@ -401,6 +434,9 @@ class Service final : public pb::Coordination::Service, public CoordinationServi
     bool dead = false;  // missed its heartbeats
     absl::Time last_heartbeat;
     int64_t step = -1;
+    int watchers = 0;  // open event streams
+    std::optional<absl::Time> stream_lost;  // when its last event stream closed
+    std::string removal;  // fault-tolerant jobs: why the rank was removed
   };
 
   absl::Status Authenticate(grpc::ServerContext* context, const char* method) {
@@ -496,6 +532,47 @@ class Service final : public pb::Coordination::Service, public CoordinationServi
     PushEventLocked(pb::Event::PEER_FAILED, peer, message);
   }
 
+  // A rank found dead: the job fails, or, when fault-tolerant and enough ranks
+  // remain, goes on without it in a new epoch.
+  void DeclareDeadLocked(RankState& r, const std::string& why) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
+    r.dead = true;
+    r.removal = why;
+    const std::string message = absl::StrCat(DescribePeer(r.info), " is dead: ", why);
+    if (!options_.fault_tolerant || !failure_.empty()) {
+      FailLocked(r.info, message);
+      return;
+    }
+    const std::vector<int> live = LiveRanksLocked();
+    if (static_cast<int>(live.size()) < options_.min_ranks) {
+      FailLocked(r.info, absl::StrCat(message, "; ", live.size(), " rank(s) left, fewer than min_ranks ",
+                                      options_.min_ranks));
+      return;
+    }
+    PublishEpochLocked();
+    const std::string left = absl::StrCat(message, "; the job goes on with ranks ", RankList(live), " (epoch ", epoch_,
+                                          ")");
+    std::fprintf(stderr, "coordination service: %s\n", left.c_str());
+    PushEventLocked(pb::Event::MEMBER_LEFT, r.info, left);
+  }
+
+  std::vector<int> LiveRanksLocked() const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
+    std::vector<int> live;
+    for (int i = 0; i < options_.world_size; ++i) {
+      if (!ranks_[i].dead) live.push_back(i);
+    }
+    return live;
+  }
+
+  // Starts the next epoch (the first: 0) with the live ranks.
+  void PublishEpochLocked() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
+    if (world_epochs_ > 0) ++epoch_;
+    ++world_epochs_;
+    std::vector<std::string> names;
+    for (int r : LiveRanksLocked()) names.push_back(std::to_string(r));
+    kv_[EpochMembersKey(epoch_)] = absl::StrJoin(names, ",");
+    kv_[kEpochKey] = std::to_string(epoch_);
+  }
+
   void MonitorHeartbeats() {
     const absl::Duration tick = std::clamp(options_.heartbeat_timeout / 20, absl::Milliseconds(10), kPollSlice);
     absl::MutexLock lock(&mu_);
@@ -505,11 +582,15 @@ class Service final : public pb::Coordination::Service, public CoordinationServi
       if (stopping_ || !world_complete_) continue;
       const absl::Time now = absl::Now();
       for (RankState& r : ranks_) {
-        if (!r.registered || r.gone || r.dead || now - r.last_heartbeat <= options_.heartbeat_timeout) continue;
-        r.dead = true;
-        FailLocked(r.info, absl::StrCat(DescribePeer(r.info), " is dead: no heartbeat for ",
-                                        Seconds(now - r.last_heartbeat),
-                                        r.step >= 0 ? absl::StrCat(" (last seen at step ", r.step, ")") : ""));
+        if (!r.registered || r.gone || r.dead) continue;
+        const std::string seen = r.step >= 0 ? absl::StrCat(" (last seen at step ", r.step, ")") : "";
+        if (now - r.last_heartbeat > options_.heartbeat_timeout) {
+          DeclareDeadLocked(r, absl::StrCat("no heartbeat for ", Seconds(now - r.last_heartbeat), seen));
+        } else if (options_.fault_tolerant && r.watchers == 0 && r.stream_lost &&
+                   now - *r.stream_lost > kStreamGrace) {
+          DeclareDeadLocked(r, absl::StrCat("its connection closed without a goodbye (the process exited or was "
+                                            "killed)", seen));
+        }
       }
     }
   }
@@ -529,6 +610,8 @@ class Service final : public pb::Coordination::Service, public CoordinationServi
   std::map<std::string, std::string> kv_ ABSL_GUARDED_BY(mu_);
   std::map<std::string, std::vector<int64_t>> barriers_ ABSL_GUARDED_BY(mu_);
   std::vector<pb::Event> events_ ABSL_GUARDED_BY(mu_);
+  int64_t epoch_ ABSL_GUARDED_BY(mu_) = 0;        // fault-tolerant jobs: the current membership's number
+  int64_t world_epochs_ ABSL_GUARDED_BY(mu_) = 0;  // epochs published so far
 };
 
 }  // namespace
@@ -541,6 +624,10 @@ absl::StatusOr<std::unique_ptr<CoordinationService>> CoordinationService::Start(
   }
   if (options.heartbeat_timeout <= absl::ZeroDuration()) {
     return absl::InvalidArgumentError("coordination service: heartbeat timeout must be positive");
+  }
+  if (options.fault_tolerant && (options.min_ranks < 1 || options.min_ranks > options.world_size)) {
+    return absl::InvalidArgumentError(absl::StrCat("coordination service: min_ranks must be in [1, ", options.world_size,
+                                                   "], got ", options.min_ranks));
   }
   auto service = std::make_unique<Service>(options, /*in_process=*/false);
   if (absl::Status s = service->Start(); !s.ok()) return s;

@@ -1,5 +1,7 @@
 #include "lockstep/job.h"
 
+#include <ATen/CPUGeneratorImpl.h>
+#include <ATen/core/grad_mode.h>
 #include <signal.h>
 #include <torch/cuda.h>
 #include <unistd.h>
@@ -13,7 +15,9 @@
 #include <thread>
 
 #include "absl/strings/str_cat.h"
+#include "absl/strings/numbers.h"
 #include "absl/strings/str_join.h"
+#include "absl/strings/str_split.h"
 #include "absl/time/clock.h"
 #include "lockstep/agreement.h"
 #include "lockstep/checkpoint.h"
@@ -203,6 +207,60 @@ std::string ResolveJobId(const CoordinationSetup& c) {
   return "lockstep";
 }
 
+// The coordination client as the ranks of one fault-tolerance epoch see it: its
+// rank and world are the epoch's, its keys and barriers live under
+// "lockstep/ft/<epoch>/", so what the job layer publishes and gathers by rank
+// (checkpoint shards, the preemption step) spans the new world. The rest goes to
+// the client itself.
+class EpochView final : public CoordinationClient {
+ public:
+  EpochView(CoordinationClient* client, const JobEnvironment::Membership& membership)
+      : client_(client), membership_(membership), prefix_(absl::StrCat("lockstep/ft/", membership.epoch, "/")) {
+    for (int r : membership.ranks) roster_.push_back(client->roster().at(r));
+  }
+  const std::vector<PeerInfo>& roster() const override { return roster_; }
+  int rank() const override { return membership_.rank; }
+  int world_size() const override { return membership_.world_size; }
+  absl::Status Set(const std::string& key, const std::string& value, bool overwrite) override {
+    return client_->Set(prefix_ + key, value, overwrite);
+  }
+  absl::StatusOr<std::string> Get(const std::string& key, absl::Duration timeout) override {
+    return client_->Get(prefix_ + key, timeout);
+  }
+  absl::StatusOr<std::optional<std::string>> TryGet(const std::string& key) override {
+    return client_->TryGet(prefix_ + key);
+  }
+  absl::StatusOr<std::vector<std::pair<std::string, std::string>>> List(const std::string& prefix) override {
+    absl::StatusOr<std::vector<std::pair<std::string, std::string>>> listed = client_->List(prefix_ + prefix);
+    if (!listed.ok()) return listed;
+    for (auto& [key, value] : *listed) key = key.substr(prefix_.size());
+    return listed;
+  }
+  absl::StatusOr<bool> Delete(const std::string& key) override { return client_->Delete(prefix_ + key); }
+  absl::Status Barrier(const std::string& name, absl::Duration timeout) override {
+    return client_->Barrier(prefix_ + name, timeout);
+  }
+  absl::Status ReportError(const std::string& message) override { return client_->ReportError(message); }
+  absl::Status ReportPreemption(const std::string& reason) override { return client_->ReportPreemption(reason); }
+  void SetStep(int64_t step) override { client_->SetStep(step); }
+  std::optional<CoordinationEvent> failure() const override { return client_->failure(); }
+  absl::Status Goodbye() override { return client_->Goodbye(); }
+
+ private:
+  CoordinationClient* const client_;  // Not owned.
+  const JobEnvironment::Membership membership_;
+  const std::string prefix_;
+  std::vector<PeerInfo> roster_;
+};
+
+// The current epoch's number, from the service's store; -1 when not set.
+int64_t CurrentEpoch(CoordinationClient& client) {
+  absl::StatusOr<std::optional<std::string>> value = client.TryGet(kEpochKey);
+  int64_t epoch = -1;
+  if (value.ok() && *value && absl::SimpleAtoi(**value, &epoch)) return epoch;
+  return -1;
+}
+
 }  // namespace
 
 JobEnvironment::JobEnvironment(const JobEnvironmentOptions& options, const Runtime& runtime)
@@ -217,6 +275,17 @@ std::unique_ptr<JobEnvironment> JobEnvironment::Create(const JobEnvironmentOptio
   if (mode != "auto" && mode != "on" && mode != "off") {
     throw InvalidArgumentError("coordination mode must be auto, on or off, got '" + mode + "'");
   }
+  const FaultToleranceOptions& ft = options.fault_tolerance;
+  if (ft.enabled) {
+    if (ft.min_ranks < 1 || ft.min_ranks > runtime.world_size) {
+      throw InvalidArgumentError(absl::StrCat("fault_tolerance.min_ranks must be in [1, ", runtime.world_size,
+                                              "] (the world size), got ", ft.min_ranks));
+    }
+    if (options.coordination.standalone) {
+      throw InvalidArgumentError("fault_tolerance needs the coordination service hosted by rank 0, not standalone");
+    }
+    if (mode == "off") throw InvalidArgumentError("fault_tolerance needs the coordination service (mode not 'off')");
+  }
   std::unique_ptr<JobEnvironment> env(new JobEnvironment(options, runtime));
   // The handlers first, so that a signal during start-up is not lost.
   env->preemption_ = std::make_unique<PreemptionSyncPoint>();
@@ -226,6 +295,12 @@ std::unique_ptr<JobEnvironment> JobEnvironment::Create(const JobEnvironmentOptio
   env->device_ = ResolveDevice(options.device, runtime);
   const bool on_gpu = env->device_.rfind("cuda", 0) == 0;
   const std::string chosen = backend == "auto" ? (on_gpu ? "nccl" : StartedByMpi(runtime) ? "mpi" : "gloo") : backend;
+  if (ft.enabled && chosen != "gloo") {
+    throw InvalidArgumentError("fault_tolerance runs on the gloo backend (CPU), and this job's backend is " + chosen +
+                               (backend == "auto" ? " (auto: start the ranks with launch/local.sh, torchrun-style "
+                                                    "variables or plain srun, or set backend: gloo)"
+                                                  : ""));
+  }
   // MPI only when it is the backend: initialising it under another launcher
   // would make a world of one of each rank.
   std::unique_ptr<Communicator> mpi = chosen == "mpi" ? MaybeMakeMpi(runtime, options.mpi_thread_multiple) : nullptr;
@@ -258,6 +333,7 @@ std::unique_ptr<JobEnvironment> JobEnvironment::Create(const JobEnvironmentOptio
       bool one_host = true;
       for (const PeerInfo& peer : env->client_->roster()) one_host = one_host && peer.host == runtime.host;
       gloo.hostname = one_host ? "127.0.0.1" : runtime.host;
+      env->gloo_hostname_ = gloo.hostname;
       env->communicator_ =
           MakeGlooCommunicator(GlooStoreOverCoordination(*env->client_, "default"), runtime.rank,
                                runtime.world_size, gloo);
@@ -269,6 +345,9 @@ std::unique_ptr<JobEnvironment> JobEnvironment::Create(const JobEnvironmentOptio
     }
   }
   env->abort_target_ = env->communicator_.get();
+  env->membership_.rank = runtime.rank;
+  env->membership_.world_size = runtime.world_size;
+  for (int r = 0; r < runtime.world_size; ++r) env->membership_.ranks.push_back(r);
   return env;
 }
 
@@ -289,6 +368,8 @@ void JobEnvironment::StartCoordination(Communicator* bootstrap) {
   service.bind_all = c.bind_all;
   service.tls.cert_file = c.tls.cert_file;
   service.tls.key_file = c.tls.key_file;
+  service.fault_tolerant = options_.fault_tolerance.enabled;
+  service.min_ranks = options_.fault_tolerance.min_ranks;
   auto start_service = [&](const std::string& listen) {
     service.address = listen;
     absl::StatusOr<std::unique_ptr<CoordinationService>> started = CoordinationService::Start(service);
@@ -357,6 +438,12 @@ void JobEnvironment::OnCoordinationEvent(const CoordinationEvent& event) {
     if (PreemptionSyncPoint* target = notice_target_.load()) target->NotifyPeer();
     return;
   }
+  if (event.kind == CoordinationEvent::Kind::kMemberLeft) {
+    // A fault-tolerant job goes on: the collective in progress fails now, not
+    // after its timeout, and the training thread reconfigures.
+    if (Communicator* communicator = abort_target_.load()) communicator->Abort(event.message);
+    return;
+  }
   if (event.kind != CoordinationEvent::Kind::kPeerFailed && event.kind != CoordinationEvent::Kind::kCoordinatorLost) {
     return;
   }
@@ -374,6 +461,58 @@ void JobEnvironment::OnCoordinationEvent(const CoordinationEvent& event) {
     std::fflush(stdout);
     _exit(code);
   }).detach();
+}
+
+const JobEnvironment::Membership& JobEnvironment::Reconfigure(const std::string& error) {
+  if (!fault_tolerant()) throw Error(error);
+  // The service starts the next epoch once it has found the dead rank: at once
+  // for a killed process, after heartbeat_timeout for a hung one.
+  const absl::Duration patience = options_.coordination.heartbeat_timeout + absl::Seconds(5);
+  int64_t epoch = CurrentEpoch(*client_);
+  if (epoch <= membership_.epoch) {
+    absl::StatusOr<std::string> next = client_->Get(EpochMembersKey(membership_.epoch + 1), patience);
+    if (!next.ok()) {
+      throw Error(absl::StrCat(error, " (no rank left the job within ", absl::FormatDuration(patience),
+                               ", so fault tolerance does not apply)"));
+    }
+    epoch = std::max(CurrentEpoch(*client_), membership_.epoch + 1);
+  }
+  absl::StatusOr<std::string> members = client_->Get(EpochMembersKey(epoch), absl::Seconds(5));
+  ThrowIfError(members.status(), "reading the job's new membership");
+  Membership next;
+  next.epoch = epoch;
+  for (absl::string_view text : absl::StrSplit(*members, ',')) {
+    int r = -1;
+    if (!absl::SimpleAtoi(text, &r)) throw Error("the job's membership is malformed: '" + *members + "'");
+    if (r == runtime_.rank) next.rank = static_cast<int>(next.ranks.size());
+    next.ranks.push_back(r);
+  }
+  next.world_size = static_cast<int>(next.ranks.size());
+  if (std::find(next.ranks.begin(), next.ranks.end(), runtime_.rank) == next.ranks.end()) {
+    throw Error(absl::StrCat("rank ", runtime_.rank, " was removed from the job (epoch ", epoch, ": ranks ", *members,
+                             ") after: ", error));
+  }
+  // The new group; the old one stays, aborted, until this environment goes
+  // (destroying a Gloo group whose peer died would wait on it).
+  abort_target_ = nullptr;
+  if (communicator_) {
+    communicator_->Abort("the job's membership changed");
+    retired_.push_back(std::move(communicator_));
+  }
+  GlooOptions gloo;
+  gloo.hostname = gloo_hostname_.empty() ? "127.0.0.1" : gloo_hostname_;
+  gloo.timeout = absl::ToChronoMilliseconds(std::min(options_.collective_timeout, patience + absl::Seconds(30)));
+  membership_ = next;
+  view_ = std::make_unique<EpochView>(client_.get(), membership_);
+  if (next.world_size > 1) {
+    communicator_ = MakeGlooCommunicator(GlooStoreOverCoordination(*client_, absl::StrCat("epoch", epoch)), next.rank,
+                                         next.world_size, gloo);
+  }
+  abort_target_ = communicator_.get();
+  // A rank that left while the group formed: its event found no target.
+  if (CurrentEpoch(*client_) > epoch && communicator_) communicator_->Abort("the job's membership changed again");
+  preemption_->AttachClient(view_.get());
+  return membership_;
 }
 
 CollectiveOptions JobEnvironment::collective_options() const {
@@ -433,6 +572,102 @@ JobEnvironment::~JobEnvironment() {
 
 // ---------------------------------------------------------------------------
 // TrainingJob
+
+namespace {
+
+// The train state after one step, in memory: what a fault-tolerant job rolls
+// back to when a step failed on some ranks and not on others.
+struct StepSnapshot {
+  int64_t step = -1;
+  std::vector<at::Tensor> tensors;  // the model's parameters, then its buffers
+  std::map<std::string, at::Tensor> optimizer_tensors;
+  std::map<std::string, int64_t> optimizer_ints;
+  std::map<std::string, std::string> optimizer_bytes;
+  std::string trainer_state;
+  std::optional<IteratorPosition> data;
+  CustomState custom;
+  at::Tensor rng;
+};
+
+std::vector<at::Tensor> ModelTensors(torch::nn::Module& model) {
+  std::vector<at::Tensor> out = model.parameters();
+  for (const at::Tensor& b : model.buffers()) out.push_back(b);
+  return out;
+}
+
+void CaptureSnapshot(StepSnapshot& s, BaseTrainer& trainer, const BatchIterator& data) {
+  TrainState& state = trainer.state();
+  at::NoGradGuard no_grad;
+  const std::vector<at::Tensor> now = ModelTensors(*state.model);
+  s.tensors.resize(now.size());
+  for (size_t i = 0; i < now.size(); ++i) {
+    at::Tensor& copy = s.tensors[i];
+    if (copy.defined() && copy.sizes() == now[i].sizes() && copy.scalar_type() == now[i].scalar_type() &&
+        copy.device() == now[i].device()) {
+      copy.copy_(now[i].detach());
+    } else {
+      copy = now[i].detach().clone();
+    }
+  }
+  s.optimizer_tensors.clear();
+  s.optimizer_ints.clear();
+  s.optimizer_bytes.clear();
+  struct Writer final : OptimizerStateWriter {
+    StepSnapshot* s;
+    void PutTensor(const std::string& key, const at::Tensor& value) override {
+      s->optimizer_tensors[key] = value.detach().clone();
+    }
+    void PutInt(const std::string& key, int64_t value) override { s->optimizer_ints[key] = value; }
+    void PutBytes(const std::string& key, const std::string& value) override { s->optimizer_bytes[key] = value; }
+  } writer;
+  writer.s = &s;
+  FindOptimizerStateCodec(*state.optimizer)->Save(*state.optimizer, OptimizerParameters(state), writer);
+  s.trainer_state = trainer.SaveTrainerState();
+  s.data = data.SavePosition();
+  s.custom = trainer.SaveCustomState();
+  for (auto& [name, tensor] : s.custom.tensors) tensor = tensor.detach().clone();
+  s.rng = at::detail::getDefaultCPUGenerator().get_state();
+  s.step = state.step;
+}
+
+void RestoreSnapshot(const StepSnapshot& s, BaseTrainer& trainer) {
+  TrainState& state = trainer.state();
+  {
+    at::NoGradGuard no_grad;
+    const std::vector<at::Tensor> now = ModelTensors(*state.model);
+    if (now.size() != s.tensors.size()) throw Error("fault tolerance: the model changed since its snapshot");
+    for (size_t i = 0; i < now.size(); ++i) now[i].detach().copy_(s.tensors[i]);
+    for (const at::Tensor& p : state.model->parameters()) {
+      if (p.grad().defined()) p.mutable_grad().zero_();
+    }
+  }
+  struct Reader final : OptimizerStateReader {
+    const StepSnapshot* s;
+    bool Has(const std::string& key) const override {
+      return s->optimizer_tensors.count(key) > 0 || s->optimizer_ints.count(key) > 0 ||
+             s->optimizer_bytes.count(key) > 0;
+    }
+    at::Tensor Tensor(const std::string& key, const at::Tensor& like) const override {
+      const at::Tensor& t = s->optimizer_tensors.at(key);
+      return like.defined() ? t.to(like.device(), /*non_blocking=*/false, /*copy=*/true) : t.clone();
+    }
+    int64_t Int(const std::string& key) const override { return s->optimizer_ints.at(key); }
+    std::string Bytes(const std::string& key) const override { return s->optimizer_bytes.at(key); }
+  } reader;
+  reader.s = &s;
+  FindOptimizerStateCodec(*state.optimizer)->Restore(*state.optimizer, OptimizerParameters(state), reader);
+  at::Generator generator = at::detail::getDefaultCPUGenerator();
+  generator.set_state(s.rng);
+  state.step = s.step;
+  trainer.RestoreTrainerState(s.trainer_state);
+  CustomState custom = s.custom;
+  for (auto& [name, tensor] : custom.tensors) tensor = tensor.clone();
+  trainer.RestoreCustomState(custom);
+}
+
+double UnixSeconds(absl::Time t) { return absl::ToDoubleSeconds(t - absl::UnixEpoch()); }
+
+}  // namespace
 
 TrainingJob::TrainingJob(JobEnvironment* environment, JobOptions options, PreemptionSyncPoint* preemption)
     : environment_(environment),
@@ -533,6 +768,25 @@ JobResult TrainingJob::RunOrThrow(BaseTrainer& trainer, BatchIterator& train_dat
       throw InvalidArgumentError("every eval set needs a name and a way to make its iterator");
     }
   }
+  const bool fault_tolerant = environment_ != nullptr && environment_->fault_tolerant();
+  if (fault_tolerant) {
+    if (!options_.on_world_changed) {
+      throw InvalidArgumentError("a fault-tolerant job needs JobOptions::on_world_changed, to re-split the train data");
+    }
+    if (!state.optimizer) throw InvalidArgumentError("fault tolerance needs a train state with an optimizer");
+    FindOptimizerStateCodec(*state.optimizer);
+    if (state.layout) {
+      throw InvalidArgumentError("fault tolerance covers replicated data parallelism only; this train state is "
+                                 "sharded (set partitioning.strategy to replicated, or turn fault_tolerance off)");
+    }
+    if (!train_data.SavePosition()) {
+      throw InvalidArgumentError("fault tolerance needs train data that can save its position "
+                                 "(BatchIterator::SavePosition), to go on from it in a smaller world");
+    }
+  }
+  // The train data: the caller's, or after a change of world the job's own.
+  BatchIterator* data = &train_data;
+  std::unique_ptr<BatchIterator> own_data;
 
   JobResult result;
   if (checkpoints != nullptr && options_.resume != "none") {
@@ -576,7 +830,7 @@ JobResult TrainingJob::RunOrThrow(BaseTrainer& trainer, BatchIterator& train_dat
   }
   auto save = [&](bool emergency) {
     ShardExtras extras;
-    extras.data = *train_data.SavePosition();
+    extras.data = *data->SavePosition();
     extras.trainer_state = trainer.SaveTrainerState();
     extras.custom = trainer.SaveCustomState();
     checkpoints->Save(state, extras, latest_metrics, emergency);
@@ -586,10 +840,88 @@ JobResult TrainingJob::RunOrThrow(BaseTrainer& trainer, BatchIterator& train_dat
   const int64_t total = options_.num_train_steps;
   const int64_t period = std::max<int64_t>(options_.eval_every_steps > 0 ? options_.eval_every_steps : total, 1);
   CoordinationClient* coordination = environment_ != nullptr ? environment_->coordination() : nullptr;
+
+  // Fault tolerance: the state after each of the last two steps, in memory; the
+  // world size, as a metric; and, after a change of world, when it began.
+  StepSnapshot snapshots[2];
+  int newest = -1;
+  auto capture = [&] {
+    if (newest >= 0 && snapshots[newest].step == state.step) return;
+    newest = (newest + 1) % 2;
+    CaptureSnapshot(snapshots[newest], trainer, *data);
+  };
+  std::optional<absl::Time> recovering_since;
+  auto world = std::make_shared<std::atomic<int>>(environment_ != nullptr ? environment_->membership().world_size : 1);
+  if (fault_tolerant) {
+    trainer.AddDerivedMetrics([world](const std::string&, MetricMap& metrics) { metrics["world_size"] = *world; });
+    capture();
+  }
+  // After a step failed in a fault-tolerant job: the new world, and every
+  // member back at the newest step that all of them completed.
+  auto recover = [&](const std::exception& e) {
+    const absl::Time seen = absl::Now();
+    const c10::Error* torch_error = dynamic_cast<const c10::Error*>(&e);  // its what() has a backtrace
+    const std::string error = torch_error ? torch_error->what_without_backtrace() : e.what();
+    const std::vector<int> before = environment_->membership().ranks;
+    const int64_t failed_after = state.step;
+    const JobEnvironment::Membership& now = environment_->Reconfigure(error);
+    Communicator* communicator = environment_->communicator();
+    int64_t target = snapshots[newest].step;
+    if (communicator != nullptr) {
+      for (const std::string& text :
+           AllGatherStrings(*communicator, std::to_string(target), environment_->collective_options())) {
+        target = std::min<int64_t>(target, std::stoll(text));
+      }
+    }
+    int slot = -1;
+    for (int i = 0; i < 2; ++i) {
+      if (snapshots[i].step == target) slot = i;
+    }
+    if (slot < 0) {
+      throw Error(absl::StrCat("fault tolerance: the ranks cannot all go back to step ", target,
+                               "; this rank holds the state of steps ", snapshots[0].step, " and ", snapshots[1].step));
+    }
+    trainer.ChangeCommunicator(communicator);
+    RestoreSnapshot(snapshots[slot], trainer);
+    snapshots[1 - slot].step = -1;
+    newest = slot;
+    own_data = options_.on_world_changed(now.rank, now.world_size);
+    if (!own_data) throw InvalidArgumentError("JobOptions::on_world_changed returned no train iterator");
+    data = own_data.get();
+    if (snapshots[slot].data) data->RestorePosition(*snapshots[slot].data);
+    coordination = environment_->coordination();
+    if (checkpoints != nullptr) checkpoints->SetWorld(now.rank, now.world_size, coordination);
+    *world = now.world_size;
+    std::vector<int> left;
+    for (int r : before) {
+      if (std::find(now.ranks.begin(), now.ranks.end(), r) == now.ranks.end()) left.push_back(r);
+    }
+    if (chief) {
+      std::printf("Membership: rank(s) %s left after step %" PRId64 "; epoch %" PRId64
+                  ": %d rank(s) (%s) go on from step %" PRId64 "; reconfigured in %.2f s\n",
+                  absl::StrJoin(left, ", ").c_str(), failed_after, now.epoch, now.world_size,
+                  absl::StrJoin(now.ranks, ", ").c_str(), state.step, absl::ToDoubleSeconds(absl::Now() - seen));
+      std::fflush(stdout);
+    }
+    recovering_since = seen;
+  };
+
   // After every step: the preemption agreement (at the last step training ends
   // anyway, with its final checkpoint), then regular checkpoints between
   // evaluations (those at an evaluation carry its metrics).
   trainer.set_stop_check([&](int64_t step) {
+    if (fault_tolerant) {
+      capture();
+      if (recovering_since) {
+        const absl::Time done = absl::Now();
+        if (chief) {
+          std::printf("Recovered: step %" PRId64 " completed %.2f s after the failure was seen (unix time %.3f)\n",
+                      step, absl::ToDoubleSeconds(done - *recovering_since), UnixSeconds(done));
+          std::fflush(stdout);
+        }
+        recovering_since.reset();
+      }
+    }
     if (coordination != nullptr) coordination->SetStep(step);
     if (options_.on_step) options_.on_step(step);
     if (preemption_ != nullptr && preemption_->notified() && preemption_->ShouldStop(step) && step != total) {
@@ -601,8 +933,9 @@ JobResult TrainingJob::RunOrThrow(BaseTrainer& trainer, BatchIterator& train_dat
 
   bool evaluated = false;
   while (state.step < total) {
+   try {
     const int64_t before = state.step;
-    trainer.Train(train_data, std::min(period - state.step % period, total - state.step));
+    trainer.Train(*data, std::min(period - state.step % period, total - state.step));
     if (trainer.stopped_by_check()) {
       // Every rank is at the agreed step. At an evaluation step, evaluate first, as
       // an uninterrupted run would; a save in flight finishes first.
@@ -634,6 +967,10 @@ JobResult TrainingJob::RunOrThrow(BaseTrainer& trainer, BatchIterator& train_dat
     if (checkpoints != nullptr && checkpoints->Due(state.step)) save(false);
     if (trainer.halt().halt) break;
     if (state.step == before) break;  // the train data ran out
+   } catch (const std::exception& e) {
+    if (!fault_tolerant) throw;
+    recover(e);
+   }
   }
   if (result.reason != StopReason::kPreempted) {
     if (!evaluated) evaluate();  // resumed at or past num_train_steps

@@ -143,7 +143,8 @@ int Run(const config::TrainerConfig& cfg, const Runtime& runtime, std::unique_pt
   AddConfiguredActions(cfg, trainer);
 
   // Each rank reads its data replica's slice of every global batch.
-  const Runtime data_runtime = DataAxisRuntime(runtime, mesh_shape);
+  // (A fault-tolerant job that loses a rank moves the others to new places.)
+  Runtime data_runtime = DataAxisRuntime(runtime, mesh_shape);
   std::unique_ptr<BatchIterator> train_data = MakeTrainIterator(cfg, data, data_runtime);
   const std::vector<EvalSet> eval_sets = {{"test", [&] { return MakeEvalIterator(cfg, data, data_runtime); }}};
   if (data.tokens()) {
@@ -166,6 +167,15 @@ int Run(const config::TrainerConfig& cfg, const Runtime& runtime, std::unique_pt
   JobOptions job_options = ToJobOptions(cfg);
   job_options.resume = absl::GetFlag(FLAGS_resume);
   if (progress && cfg.progress_updates() == "step") job_options.on_step = [progress](int64_t s) { progress->Step(s); };
+  job_options.on_world_changed = [&](int rank, int world_size) {
+    data_runtime.rank = rank;
+    data_runtime.world_size = world_size;
+    return MakeTrainIterator(cfg, data, data_runtime);
+  };
+  if (runtime.is_chief() && env->fault_tolerant()) {
+    std::printf("Fault tolerance: on; a rank other than 0 that dies leaves the job, which goes on while %d or more "
+                "rank(s) remain\n", cfg.fault_tolerance().min_ranks());
+  }
 
   JobResult result = TrainingJob(env.get(), job_options).Run(trainer, *train_data, eval_sets, &checkpoints);
   if (result.reason == StopReason::kPeerFailed) return ExitCodeFor(result.reason);

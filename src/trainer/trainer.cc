@@ -34,6 +34,12 @@ void BaseTrainer::set_communicator(Communicator* communicator, CollectiveOptions
   collective_ = options;
 }
 
+void BaseTrainer::ChangeCommunicator(Communicator* communicator) {
+  if (mesh_ != nullptr) throw InvalidArgumentError("ChangeCommunicator: a trainer on a mesh cannot change its world");
+  managers_.clear();
+  communicator_ = communicator;
+}
+
 void BaseTrainer::set_mesh(const DeviceMesh* mesh, const Partitioner* partitioner, CollectiveOptions options) {
   if (mesh == nullptr || partitioner == nullptr) throw InvalidArgumentError("set_mesh: the mesh and partitioner are required");
   if (partitioner->shape().data != mesh->shape().data || partitioner->shape().model != mesh->shape().model) {
@@ -251,6 +257,24 @@ Trainer::Trainer(TrainState& state, ApplyFn apply, LossFn loss, TrainerOptions o
     }
   }
   set_communicator(world, options_.data_parallel.collective);
+}
+
+void Trainer::ChangeCommunicator(Communicator* communicator) {
+  if (sharded_ || options_.partitioning != PartitioningStrategy::kReplicated || options_.mesh != nullptr) {
+    throw InvalidArgumentError("Trainer: only replicated data parallelism without a mesh can change its world");
+  }
+  BaseTrainer::ChangeCommunicator(communicator);
+  options_.step.data_parallel = nullptr;
+  data_parallel_.reset();  // its hooks go with it
+  options_.communicator = communicator;
+  // The start-up check goes over the new communicator: the coordination
+  // client's store still counts the ranks that left.
+  options_.data_parallel.coordination = nullptr;
+  if (communicator != nullptr && communicator->world_size() > 1) {
+    data_parallel_ =
+        std::make_unique<DataParallel>(communicator, *state().model, options_.fingerprint, options_.data_parallel);
+    options_.step.data_parallel = data_parallel_.get();
+  }
 }
 
 MetricMap Trainer::TrainStep(const Batch& batch) {

@@ -5,6 +5,8 @@
 #     does before the time limit): the ranks save an emergency checkpoint and exit 75,
 #     the script requeues the job, Slurm starts it again, it resumes and finishes;
 #  c) both end with bitwise-equal shards and print the same metric lines;
+#  d) the job a again under plain srun (LOCKSTEP_SRUN_MPI=none: no PMIx, so no MPI):
+#     the ranks take the Gloo backend and print job a's losses within 1e-5;
 # and a failing program's exit code is the job's, without a requeue.
 # Usage: slurm_test.sh SOURCE_DIR LOCKSTEP_TRAIN
 #
@@ -93,7 +95,7 @@ socks = [socket.socket() for _ in range(int(sys.argv[1]))]
 for s in socks: s.bind(("127.0.0.1", 0))
 print(" ".join(str(s.getsockname()[1]) for s in socks))' "$1"
 }
-read -r ctld_port slurmd_port port_a port_b < <(free_ports 4)
+read -r ctld_port slurmd_port port_a port_b port_d < <(free_ports 5)
 
 # munge: a fresh key, its own socket.
 dd if=/dev/urandom of="$work/munge/munge.key" bs=1024 count=1 status=none
@@ -182,9 +184,9 @@ flags+=",eval_every_steps=50,summary_every_steps=10,progress=lines,checkpoint.ev
 total=300
 cd "$work/jobs"
 
-submit() {  # submit NAME PORT: the job's id
+submit() {  # submit NAME PORT [SRUN_MPI]: the job's id
   sbatch --parsable --job-name="lockstep_$1" --nodes=1 --ntasks=2 --ntasks-per-node=2 --output="$work/jobs/$1.out" \
-    --export=ALL,LOCKSTEP_COORDINATOR_PORT="$2" "$source_dir/launch/slurm.sbatch" \
+    --export=ALL,LOCKSTEP_COORDINATOR_PORT="$2",LOCKSTEP_SRUN_MPI="${3:-pmix}" "$source_dir/launch/slurm.sbatch" \
     -- "$train" --set="$flags,num_train_steps=$total,output_dir=$work/$1"
 }
 job_field() {  # job_field JOB FIELD: FIELD's value in scontrol show job
@@ -270,8 +272,20 @@ lines b.out > b.lines
 [[ $(wc -l < a.lines) -gt 100 ]] || fail "too few metric lines in job a"
 diff a.lines b.lines > lines.diff || { cat lines.diff; fail "metric lines differ between job a and the requeued job b"; }
 
+# d) Plain srun: no PMIx, so the ranks take the Gloo backend; job a's losses.
+source "$source_dir/tests/system/loss_helpers.sh"  # compare_losses
+td=$(date +%s)
+job_d=$(submit d "$port_d" none) || fail "sbatch refused job d"
+wait_done "$job_d" 240
+[[ $s == COMPLETED && $(job_field "$job_d" ExitCode) == 0:0 ]] || { cat d.out; fail "job d ($job_d): $s, exit $(job_field "$job_d" ExitCode)"; }
+grep -q "2 rank(s) via slurm, gloo backend" d.out || { head -5 d.out; fail "job d: plain srun did not give 2 Slurm ranks on Gloo"; }
+result_d=$(compare_losses a.out d.out 30 1e-5) || { cat d.out; fail "job d (plain srun, Gloo) against job a (pmix, MPI): $result_d"; }
+time_d=$(($(date +%s) - td))
+say "job d ($job_d): plain srun, Gloo: $result_d of job a, COMPLETED in $time_d s"
+
 echo "OK: Slurm $(slurmctld -V | awk '{print $2}') sbatch launch/slurm.sbatch, srun --mpi=pmix on 2 tasks:" \
   "exit 7 passed on, not requeued;" \
   "straight job $total steps in $time_a s; SIGUSR1 job: emergency checkpoint at step $step, exit 75, requeued" \
   "(Restarts=1, started again $((t_restart - ts)) s after the signal), resumed, done in $time_b s;" \
-  "$(wc -l < a.lines) metric lines equal and both shards bit-identical; total $(($(date +%s) - t0)) s"
+  "$(wc -l < a.lines) metric lines equal and both shards bit-identical;" \
+  "plain srun (Gloo): $result_d of srun --mpi=pmix (MPI) in $time_d s; total $(($(date +%s) - t0)) s"
