@@ -13,6 +13,8 @@
 #   ./dev.sh tsan  [ctest flags]           the same under ThreadSanitizer (build-tsan/)
 #   ./dev.sh fuzz  [SECONDS [TARGET...]]   each libFuzzer target for SECONDS (default 60; build-fuzz/, Clang)
 #   ./dev.sh faults                        the fault suite: faults injected into real jobs, one table
+#   ./dev.sh ft-trials [KILLS [STOPS]]     fault tolerance: KILLS kill -9 and STOPS SIGSTOP trials on 3
+#                                          ranks (default 10 and 5; CI runs 3 and 1)
 #
 # Environment: BUILD_DIR (default: build), LOCKSTEP_RANKS (default: 2) for train,
 # LOCKSTEP_SKIP_INSTALL=1 to skip apt.
@@ -157,6 +159,10 @@ case "$command" in
     mpirun_cmd=(mpirun --oversubscribe)
     [[ $(id -u) -eq 0 ]] && mpirun_cmd+=(--allow-run-as-root)
     exec tests/faults/fault_suite.sh "$PWD" "$BUILD_DIR/lockstep_train" "$BUILD_DIR/lockstep_ckpt" "${mpirun_cmd[@]}" ;;
+  ft-trials)
+    build
+    KILL_TRIALS=${1:-10} STOP_TRIALS=${2:-5} exec tests/system/fault_tolerance_test.sh "$PWD" \
+      "$BUILD_DIR/lockstep_train" "$BUILD_DIR/lockstep_ckpt" ;;
   bench)
     build
     exec "$BUILD_DIR/benchmarks/trainer_step_benchmark" "$@" ;;

@@ -441,6 +441,116 @@ TEST(CoordinationTest, ADeadRankIsNamedToEveryOtherRankWithinTheTimeout) {
   EXPECT_THAT(service->failure(), HasSubstr("rank 2"));
 }
 
+// A fault-tolerant service: rank 0 is a real client; ranks 1 and 2 register by
+// hand, open their event streams and then drop them, as a killed process's
+// connection drops. The first death starts epoch 1 without rank 2 (well before
+// the 10 s heartbeat timeout); the second leaves fewer than min_ranks, and the
+// job fails.
+TEST(CoordinationTest, AFaultTolerantJobGoesOnWithoutARankThatDiesUntilTooFewAreLeft) {
+  CoordinationServiceOptions ft;
+  ft.fault_tolerant = true;
+  ft.min_ranks = 2;
+  auto service = StartService(3, absl::Seconds(10), ft);
+  ASSERT_NE(service, nullptr);
+  RawStub raw(service->port());
+  auto register_by_hand = [&](int rank) {
+    return std::async(std::launch::async, [&raw, rank] {
+      grpc::ClientContext context;
+      raw.Prepare(context, kJob, kToken);
+      pb::RegisterRequest request;
+      request.mutable_peer()->set_rank(rank);
+      request.mutable_peer()->set_host("node-x");
+      request.mutable_peer()->set_pid(700 + rank);
+      request.mutable_peer()->set_incarnation(50 + rank);
+      request.set_world_size(3);
+      request.set_timeout_ms(10000);
+      pb::RegisterResponse response;
+      return raw.stub->Register(&context, request, &response);
+    });
+  };
+  auto rank1 = register_by_hand(1);
+  auto rank2 = register_by_hand(2);
+  EventLog log;
+  CoordinationClientOptions options = ClientOptions(service->port(), 0, 3);
+  options.on_event = log.Callback();
+  auto client = CoordinationClient::Connect(options);
+  ASSERT_TRUE(client.ok()) << client.status();
+  ASSERT_TRUE(rank1.get().ok());
+  ASSERT_TRUE(rank2.get().ok());
+  auto value = [&](const std::string& key) {
+    auto v = (*client)->TryGet(key);
+    return v.ok() && *v ? **v : std::string("(none)");
+  };
+  EXPECT_EQ(value(kEpochKey), "0");
+  EXPECT_EQ(value(EpochMembersKey(0)), "0,1,2");
+
+  // An event stream per hand-made rank, dropped without a goodbye.
+  struct Stream {
+    grpc::ClientContext context;
+    std::unique_ptr<grpc::ClientReader<pb::Event>> reader;
+  };
+  auto open_stream = [&](int rank) {
+    auto stream = std::make_unique<Stream>();
+    raw.Prepare(stream->context, kJob, kToken);
+    stream->context.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(60));
+    pb::WatchRequest request;
+    request.set_rank(rank);
+    stream->reader = raw.stub->WatchEvents(&stream->context, request);
+    return stream;
+  };
+  auto stream1 = open_stream(1);
+  auto stream2 = open_stream(2);
+  absl::SleepFor(absl::Milliseconds(400));  // the service has both streams
+  const absl::Time dropped = absl::Now();
+  stream2->context.TryCancel();
+  auto left = log.WaitFor(CoordinationEvent::Kind::kMemberLeft, absl::Seconds(5));
+  ASSERT_TRUE(left.has_value()) << "rank 0 never heard that rank 2 left";
+  EXPECT_LT(left->second - dropped, absl::Seconds(3));  // not the 10 s heartbeat timeout
+  EXPECT_EQ(left->first.peer.rank, 2);
+  EXPECT_THAT(left->first.message, HasSubstr("rank 2 (host node-x, pid 702) is dead: its connection closed"));
+  EXPECT_THAT(left->first.message, HasSubstr("the job goes on with ranks 0, 1 (epoch 1)"));
+  EXPECT_FALSE((*client)->failure().has_value());
+  EXPECT_EQ(service->failure(), "");
+  EXPECT_EQ(value(kEpochKey), "1");
+  EXPECT_EQ(value(EpochMembersKey(1)), "0,1");
+
+  // Barriers wait for the live ranks only.
+  auto barrier1 = std::async(std::launch::async, [&] {
+    grpc::ClientContext context;
+    raw.Prepare(context, kJob, kToken);
+    pb::BarrierRequest request;
+    request.set_name("after");
+    request.set_rank(1);
+    request.set_timeout_ms(10000);
+    pb::BarrierResponse response;
+    return raw.stub->Barrier(&context, request, &response);
+  });
+  EXPECT_TRUE((*client)->Barrier("after", absl::Seconds(10)).ok());
+  EXPECT_TRUE(barrier1.get().ok());
+
+  // The removed rank's heartbeats are refused, naming why.
+  {
+    grpc::ClientContext context;
+    raw.Prepare(context, kJob, kToken);
+    pb::HeartbeatRequest request;
+    request.set_rank(2);
+    request.set_incarnation(52);
+    pb::HeartbeatResponse response;
+    const grpc::Status status = raw.stub->Heartbeat(&context, request, &response);
+    EXPECT_EQ(status.error_code(), grpc::StatusCode::ABORTED);
+    EXPECT_THAT(status.error_message(), HasSubstr("rank 2 (host node-x, pid 702) was removed from the job"));
+  }
+
+  // One more death leaves 1 rank, fewer than min_ranks: the job fails.
+  stream1->context.TryCancel();
+  auto failed = log.WaitFor(CoordinationEvent::Kind::kPeerFailed, absl::Seconds(5));
+  ASSERT_TRUE(failed.has_value()) << "rank 0 never heard that the job failed";
+  EXPECT_THAT(failed->first.message, HasSubstr("rank 1 (host node-x, pid 701) is dead"));
+  EXPECT_THAT(failed->first.message, HasSubstr("1 rank(s) left, fewer than min_ranks 2"));
+  EXPECT_THAT(service->failure(), HasSubstr("fewer than min_ranks 2"));
+  for (Stream* s : {stream1.get(), stream2.get()}) (void)s->reader->Finish();
+}
+
 TEST(CoordinationTest, AReportedErrorAndAPreemptionNoticeReachEveryRank) {
   auto service = StartService(2);
   std::vector<EventLog> logs(2);
@@ -682,6 +792,11 @@ TEST(CoordinationTest, StartRefusesBadOptions) {
   EXPECT_EQ(CoordinationService::Start(options).status().code(), absl::StatusCode::kInvalidArgument);
   options.address = "127.0.0.1:99999";
   EXPECT_EQ(CoordinationService::Start(options).status().code(), absl::StatusCode::kInvalidArgument);
+  options.address = "127.0.0.1:0";
+  options.fault_tolerant = true;
+  options.min_ranks = 2;  // more than the world of 1
+  EXPECT_EQ(CoordinationService::Start(options).status().code(), absl::StatusCode::kInvalidArgument);
+  options.fault_tolerant = false;
   auto first = StartService(1);
   options.address = absl::StrCat("127.0.0.1:", first->port());  // taken
   EXPECT_EQ(CoordinationService::Start(options).status().code(), absl::StatusCode::kUnavailable);
