@@ -78,6 +78,8 @@ struct CoordinationServiceOptions {
   // "lockstep/ft/epoch/<n>" to its ranks ("0,2"), epoch 0 being the whole world
   // once it has registered, and sends a kMemberLeft event. Barriers then wait for
   // the live ranks only, and a removed rank's heartbeats are refused (ABORTED).
+  // A new process that registers in a dead rank's place (a replacement) starts
+  // the next epoch with it, and a kMemberJoined event goes out.
   bool fault_tolerant = false;
   int min_ranks = 1;
 };
@@ -116,8 +118,9 @@ struct PeerInfo {
 std::string DescribePeer(const PeerInfo& peer);
 
 struct CoordinationEvent {
-  // kMemberLeft: a fault-tolerant job lost `peer` and goes on without it.
-  enum class Kind { kPeerFailed, kCoordinatorLost, kPreemptionNotice, kShutdown, kMemberLeft };
+  // kMemberLeft: a fault-tolerant job lost `peer` and goes on without it;
+  // kMemberJoined: a new process took the place of a rank that had left.
+  enum class Kind { kPeerFailed, kCoordinatorLost, kPreemptionNotice, kShutdown, kMemberLeft, kMemberJoined };
   Kind kind = Kind::kPeerFailed;
   PeerInfo peer;        // the rank concerned (rank 0 for kCoordinatorLost when hosted there)
   std::string message;  // complete: names the rank, its host and what happened

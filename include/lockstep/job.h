@@ -230,6 +230,9 @@ class JobEnvironment {
     int world_size = 1;
   };
   bool fault_tolerant() const { return options_.fault_tolerance.enabled && client_ != nullptr; }
+  // This process replaced a rank that had left a running fault-tolerant job:
+  // TrainingJob::Run then takes the train state from rank 0 instead of resuming.
+  bool joined_late() const { return joined_late_; }
   const Membership& membership() const { return membership_; }
   // After this rank's work failed with `error` in a fault-tolerant job: waits (up
   // to heartbeat_timeout + 5 s) for the service to start a new epoch, makes a
@@ -279,6 +282,7 @@ class JobEnvironment {
   std::vector<std::unique_ptr<Communicator>> retired_;
   std::unique_ptr<CoordinationClient> view_;
   std::string gloo_hostname_;
+  bool joined_late_ = false;
 
   // Read by the coordination client's thread.
   std::atomic<Communicator*> abort_target_{nullptr};

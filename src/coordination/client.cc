@@ -363,6 +363,9 @@ class Client final : public CoordinationClient {
       case pb::Event::MEMBER_LEFT:
         out.kind = CoordinationEvent::Kind::kMemberLeft;
         break;
+      case pb::Event::MEMBER_JOINED:
+        out.kind = CoordinationEvent::Kind::kMemberJoined;
+        break;
       default:
         return;
     }

@@ -163,10 +163,20 @@ class Service final : public pb::Coordination::Service, public CoordinationServi
                                                           DescribePeer(slot.info), "; refused ",
                                                           DescribePeer(FromProto(peer)))));
     }
+    // A fault-tolerant job takes a new process in the place of a rank that left.
+    const bool rejoin = options_.fault_tolerant && world_complete_ && slot.dead;
     slot.info = FromProto(peer);
     slot.registered = true;
     slot.gone = slot.dead = false;
     slot.last_heartbeat = now;
+    slot.removal.clear();
+    if (rejoin) {
+      PublishEpochLocked();
+      const std::string joined = absl::StrCat(DescribePeer(slot.info), " joined in the place of a rank that left; ranks ",
+                                              RankList(LiveRanksLocked()), " (epoch ", epoch_, ")");
+      std::fprintf(stderr, "coordination service: %s\n", joined.c_str());
+      PushEventLocked(pb::Event::MEMBER_JOINED, slot.info, joined);
+    }
     if (AllRegisteredLocked() && !world_complete_) {
       world_complete_ = true;
       for (RankState& r : ranks_) r.last_heartbeat = now;  // the clock starts for everyone at once

@@ -3,6 +3,7 @@
 #include <ATen/CPUGeneratorImpl.h>
 #include <ATen/core/grad_mode.h>
 #include <signal.h>
+#include <torch/csrc/jit/serialization/pickle.h>
 #include <torch/cuda.h>
 #include <unistd.h>
 
@@ -11,11 +12,13 @@
 #include <cinttypes>
 #include <cstdio>
 #include <cstdlib>
+#include <cstring>
 #include <filesystem>
+#include <limits>
 #include <thread>
 
-#include "absl/strings/str_cat.h"
 #include "absl/strings/numbers.h"
+#include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
 #include "absl/strings/str_split.h"
 #include "absl/time/clock.h"
@@ -321,6 +324,14 @@ std::unique_ptr<JobEnvironment> JobEnvironment::Create(const JobEnvironmentOptio
       }
       env->communicator_ = MakeNcclCommunicator(exchange, runtime.local_rank);
       if (!on_gpu) throw Error("backend 'nccl' needs the model on a CUDA device, not " + env->device_);
+    } else if (chosen == "gloo" && ft.enabled && CurrentEpoch(*env->client_) > 0) {
+      // A replacement: the job runs in a later epoch, which has this rank again.
+      env->gloo_hostname_ = "127.0.0.1";
+      for (const PeerInfo& peer : env->client_->roster()) {
+        if (peer.host != runtime.host) env->gloo_hostname_ = runtime.host;
+      }
+      env->joined_late_ = true;
+      env->Reconfigure("joining a running job");
     } else if (chosen == "gloo") {
       if (!env->client_) {
         throw InvalidArgumentError("backend 'gloo' meets its peers through the coordination service; "
@@ -345,9 +356,11 @@ std::unique_ptr<JobEnvironment> JobEnvironment::Create(const JobEnvironmentOptio
     }
   }
   env->abort_target_ = env->communicator_.get();
-  env->membership_.rank = runtime.rank;
-  env->membership_.world_size = runtime.world_size;
-  for (int r = 0; r < runtime.world_size; ++r) env->membership_.ranks.push_back(r);
+  if (!env->joined_late_) {
+    env->membership_.rank = runtime.rank;
+    env->membership_.world_size = runtime.world_size;
+    for (int r = 0; r < runtime.world_size; ++r) env->membership_.ranks.push_back(r);
+  }
   return env;
 }
 
@@ -438,7 +451,7 @@ void JobEnvironment::OnCoordinationEvent(const CoordinationEvent& event) {
     if (PreemptionSyncPoint* target = notice_target_.load()) target->NotifyPeer();
     return;
   }
-  if (event.kind == CoordinationEvent::Kind::kMemberLeft) {
+  if (event.kind == CoordinationEvent::Kind::kMemberLeft || event.kind == CoordinationEvent::Kind::kMemberJoined) {
     // A fault-tolerant job goes on: the collective in progress fails now, not
     // after its timeout, and the training thread reconfigures.
     if (Communicator* communicator = abort_target_.load()) communicator->Abort(event.message);
@@ -667,6 +680,77 @@ void RestoreSnapshot(const StepSnapshot& s, BaseTrainer& trainer) {
 
 double UnixSeconds(absl::Time t) { return absl::ToDoubleSeconds(t - absl::UnixEpoch()); }
 
+at::Tensor BytesToTensor(const std::string& bytes) {
+  at::Tensor t = at::empty({static_cast<int64_t>(bytes.size())}, at::kByte);
+  if (!bytes.empty()) std::memcpy(t.data_ptr(), bytes.data(), bytes.size());
+  return t;
+}
+std::string TensorToBytes(const at::Tensor& t) {
+  const at::Tensor c = t.contiguous();
+  return std::string(static_cast<const char*>(c.data_ptr()), static_cast<size_t>(c.numel()));
+}
+
+// A snapshot as bytes (libtorch's pickle format), for a joining rank.
+std::string SerializeSnapshot(const StepSnapshot& s) {
+  c10::Dict<std::string, at::Tensor> tensors;
+  for (size_t i = 0; i < s.tensors.size(); ++i) tensors.insert("model/" + std::to_string(i), s.tensors[i]);
+  for (const auto& [key, value] : s.optimizer_tensors) tensors.insert("optimizer/" + key, value);
+  for (const auto& [key, value] : s.optimizer_bytes) tensors.insert("optimizer_bytes/" + key, BytesToTensor(value));
+  for (const auto& [key, value] : s.custom.tensors) tensors.insert("custom/" + key, value);
+  for (const auto& [key, value] : s.custom.bytes) tensors.insert("custom_bytes/" + key, BytesToTensor(value));
+  tensors.insert("trainer_state", BytesToTensor(s.trainer_state));
+  tensors.insert("rng", s.rng);
+  c10::Dict<std::string, int64_t> ints;
+  for (const auto& [key, value] : s.optimizer_ints) ints.insert("optimizer/" + key, value);
+  ints.insert("step", s.step);
+  ints.insert("num_model", static_cast<int64_t>(s.tensors.size()));
+  if (s.data) {
+    ints.insert("data/epoch", s.data->epoch);
+    ints.insert("data/batch_in_epoch", s.data->batch_in_epoch);
+  }
+  const std::vector<char> bytes = torch::jit::pickle_save(c10::ivalue::Tuple::create({tensors, ints}));
+  return std::string(bytes.begin(), bytes.end());
+}
+
+void DeserializeSnapshot(const std::string& payload, StepSnapshot& s) {
+  const c10::IValue value = torch::jit::pickle_load(std::vector<char>(payload.begin(), payload.end()));
+  const auto& elements = value.toTupleRef().elements();
+  const c10::Dict<std::string, at::Tensor> tensors = c10::impl::toTypedDict<std::string, at::Tensor>(elements.at(0).toGenericDict());
+  const c10::Dict<std::string, int64_t> ints = c10::impl::toTypedDict<std::string, int64_t>(elements.at(1).toGenericDict());
+  s = StepSnapshot{};
+  s.step = ints.at("step");
+  s.tensors.resize(static_cast<size_t>(ints.at("num_model")));
+  auto strip = [](const std::string& key, const std::string& prefix) -> std::optional<std::string> {
+    if (key.rfind(prefix, 0) != 0) return std::nullopt;
+    return key.substr(prefix.size());
+  };
+  for (const auto& item : tensors) {
+    const std::string& key = item.key();
+    const at::Tensor& t = item.value();
+    if (auto k = strip(key, "model/")) {
+      s.tensors.at(std::stoul(*k)) = t;
+    } else if (auto k = strip(key, "optimizer_bytes/")) {
+      s.optimizer_bytes[*k] = TensorToBytes(t);
+    } else if (auto k = strip(key, "optimizer/")) {
+      s.optimizer_tensors[*k] = t;
+    } else if (auto k = strip(key, "custom_bytes/")) {
+      s.custom.bytes[*k] = TensorToBytes(t);
+    } else if (auto k = strip(key, "custom/")) {
+      s.custom.tensors[*k] = t;
+    } else if (key == "trainer_state") {
+      s.trainer_state = TensorToBytes(t);
+    } else if (key == "rng") {
+      s.rng = t;
+    }
+  }
+  for (const auto& item : ints) {
+    if (auto k = strip(item.key(), "optimizer/")) s.optimizer_ints[*k] = item.value();
+  }
+  if (ints.contains("data/epoch")) {
+    s.data = IteratorPosition{ints.at("data/epoch"), ints.at("data/batch_in_epoch")};
+  }
+}
+
 }  // namespace
 
 TrainingJob::TrainingJob(JobEnvironment* environment, JobOptions options, PreemptionSyncPoint* preemption)
@@ -789,7 +873,8 @@ JobResult TrainingJob::RunOrThrow(BaseTrainer& trainer, BatchIterator& train_dat
   std::unique_ptr<BatchIterator> own_data;
 
   JobResult result;
-  if (checkpoints != nullptr && options_.resume != "none") {
+  const bool joining = environment_ != nullptr && environment_->joined_late();
+  if (checkpoints != nullptr && options_.resume != "none" && !joining) {
     const std::string path = ChooseCheckpoint(*checkpoints);
     if (!path.empty()) {
       const FoundCheckpoint found = CheckpointManager::ReadManifestOnly(path);
@@ -858,53 +943,94 @@ JobResult TrainingJob::RunOrThrow(BaseTrainer& trainer, BatchIterator& train_dat
   }
   // After a step failed in a fault-tolerant job: the new world, and every
   // member back at the newest step that all of them completed.
-  auto recover = [&](const std::exception& e) {
-    const absl::Time seen = absl::Now();
-    const c10::Error* torch_error = dynamic_cast<const c10::Error*>(&e);  // its what() has a backtrace
-    const std::string error = torch_error ? torch_error->what_without_backtrace() : e.what();
-    const std::vector<int> before = environment_->membership().ranks;
-    const int64_t failed_after = state.step;
-    const JobEnvironment::Membership& now = environment_->Reconfigure(error);
+  // Into the world of the environment's membership (after Reconfigure): every
+  // member goes back to the newest step that all of them completed, and a
+  // process that joins takes rank 0's state of that step.
+  auto adopt_world = [&](const std::vector<int>& before, bool joining, absl::Time seen, int64_t failed_after) {
+    const JobEnvironment::Membership& now = environment_->membership();
     Communicator* communicator = environment_->communicator();
-    int64_t target = snapshots[newest].step;
+    // A joiner's trainer was built on the new group (the same collectives).
+    if (!joining) trainer.ChangeCommunicator(communicator);
+    int64_t target = joining ? std::numeric_limits<int64_t>::max() : snapshots[newest].step;
     if (communicator != nullptr) {
       for (const std::string& text :
            AllGatherStrings(*communicator, std::to_string(target), environment_->collective_options())) {
         target = std::min<int64_t>(target, std::stoll(text));
       }
     }
-    int slot = -1;
-    for (int i = 0; i < 2; ++i) {
-      if (snapshots[i].step == target) slot = i;
-    }
-    if (slot < 0) {
-      throw Error(absl::StrCat("fault tolerance: the ranks cannot all go back to step ", target,
-                               "; this rank holds the state of steps ", snapshots[0].step, " and ", snapshots[1].step));
-    }
-    trainer.ChangeCommunicator(communicator);
-    RestoreSnapshot(snapshots[slot], trainer);
-    snapshots[1 - slot].step = -1;
-    newest = slot;
-    own_data = options_.on_world_changed(now.rank, now.world_size);
-    if (!own_data) throw InvalidArgumentError("JobOptions::on_world_changed returned no train iterator");
-    data = own_data.get();
-    if (snapshots[slot].data) data->RestorePosition(*snapshots[slot].data);
-    coordination = environment_->coordination();
-    if (checkpoints != nullptr) checkpoints->SetWorld(now.rank, now.world_size, coordination);
-    *world = now.world_size;
-    std::vector<int> left;
+    std::vector<int> left, joined;
     for (int r : before) {
       if (std::find(now.ranks.begin(), now.ranks.end(), r) == now.ranks.end()) left.push_back(r);
     }
+    for (int r : now.ranks) {
+      if (std::find(before.begin(), before.end(), r) == before.end()) joined.push_back(r);
+    }
+    const StepSnapshot* snapshot = nullptr;
+    for (int i = 0; i < 2; ++i) {
+      if (snapshots[i].step == target) snapshot = &snapshots[i];
+    }
+    if (!joined.empty() && communicator != nullptr) {
+      // Rank 0 hands its state of the step to the members; the joiners take it.
+      std::string payload;
+      if (now.rank == 0) {
+        if (snapshot == nullptr) throw Error(absl::StrCat("fault tolerance: rank 0 has no state of step ", target));
+        payload = SerializeSnapshot(*snapshot);
+      }
+      payload = BroadcastString(*communicator, payload, 0, environment_->collective_options());
+      if (joining) {
+        const int slot = newest >= 0 ? newest : 0;
+        DeserializeSnapshot(payload, snapshots[slot]);
+        snapshot = &snapshots[slot];
+      }
+    }
+    if (snapshot == nullptr) {
+      throw Error(absl::StrCat("fault tolerance: the ranks cannot all go back to step ", target,
+                               "; this rank holds the state of steps ", snapshots[0].step, " and ", snapshots[1].step));
+    }
+    RestoreSnapshot(*snapshot, trainer);
+    newest = static_cast<int>(snapshot - snapshots);
+    snapshots[1 - newest].step = -1;
+    own_data = options_.on_world_changed(now.rank, now.world_size);
+    if (!own_data) throw InvalidArgumentError("JobOptions::on_world_changed returned no train iterator");
+    data = own_data.get();
+    if (snapshot->data) data->RestorePosition(*snapshot->data);
+    coordination = environment_->coordination();
+    if (checkpoints != nullptr) checkpoints->SetWorld(now.rank, now.world_size, coordination);
+    *world = now.world_size;
     if (chief) {
-      std::printf("Membership: rank(s) %s left after step %" PRId64 "; epoch %" PRId64
-                  ": %d rank(s) (%s) go on from step %" PRId64 "; reconfigured in %.2f s\n",
-                  absl::StrJoin(left, ", ").c_str(), failed_after, now.epoch, now.world_size,
-                  absl::StrJoin(now.ranks, ", ").c_str(), state.step, absl::ToDoubleSeconds(absl::Now() - seen));
+      std::string what;
+      if (!left.empty()) what = absl::StrCat("rank(s) ", absl::StrJoin(left, ", "), " left");
+      if (!joined.empty()) {
+        absl::StrAppend(&what, what.empty() ? "" : ", ", "rank(s) ", absl::StrJoin(joined, ", "), " joined");
+      }
+      if (what.empty()) what = "no rank changed";
+      std::printf("Membership: %s after step %" PRId64 "; epoch %" PRId64 ": %d rank(s) (%s) go on from step %" PRId64
+                  "; reconfigured in %.2f s\n",
+                  what.c_str(), failed_after, now.epoch, now.world_size, absl::StrJoin(now.ranks, ", ").c_str(),
+                  state.step, absl::ToDoubleSeconds(absl::Now() - seen));
       std::fflush(stdout);
     }
     recovering_since = seen;
   };
+  // After a step failed in a fault-tolerant job.
+  auto recover = [&](const std::exception& e) {
+    const absl::Time seen = absl::Now();
+    const c10::Error* torch_error = dynamic_cast<const c10::Error*>(&e);  // its what() has a backtrace
+    const std::string error = torch_error ? torch_error->what_without_backtrace() : e.what();
+    const std::vector<int> before = environment_->membership().ranks;
+    const int64_t failed_after = state.step;
+    environment_->Reconfigure(error);
+    adopt_world(before, /*joining=*/false, seen, failed_after);
+  };
+  if (fault_tolerant && environment_->joined_late()) {
+    adopt_world({}, /*joining=*/true, absl::Now(), state.step);
+    if (!chief) {
+      std::printf("Joined the job in epoch %" PRId64 " as rank %d of %d; going on from step %" PRId64 "\n",
+                  environment_->membership().epoch, environment_->membership().rank,
+                  environment_->membership().world_size, state.step);
+      std::fflush(stdout);
+    }
+  }
 
   // After every step: the preemption agreement (at the last step training ends
   // anyway, with its final checkpoint), then regular checkpoints between

@@ -121,7 +121,9 @@ int Run(const config::TrainerConfig& cfg, const Runtime& runtime, std::unique_pt
 
   TrainerOptions options = ToTrainerOptions(cfg);
   options.communicator = communicator;
-  options.data_parallel.coordination = env->coordination();
+  // A replacement in a fault-tolerant job checks its model over the new group,
+  // as the ranks it joins do.
+  options.data_parallel.coordination = env->joined_late() ? nullptr : env->coordination();
   options.mesh = mesh.get();
   options.parameter_layouts = layouts;
   LossFn loss = CrossEntropyLoss();
