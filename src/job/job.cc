@@ -485,6 +485,14 @@ const JobEnvironment::Membership& JobEnvironment::Reconfigure(const std::string&
   if (epoch <= membership_.epoch) {
     absl::StatusOr<std::string> next = client_->Get(EpochMembersKey(membership_.epoch + 1), patience);
     if (!next.ok()) {
+      if (next.status().code() != absl::StatusCode::kDeadlineExceeded) {
+        // The service itself is gone (rank 0 died) or the job failed: once the
+        // client has noticed, HandleFailure stops this rank with its message.
+        const absl::Time deadline = absl::Now() + patience;
+        while (!client_->failure() && absl::Now() < deadline) absl::SleepFor(absl::Milliseconds(50));
+        throw Error(absl::StrCat(error, " (and the coordination service did not answer: ", next.status().message(),
+                                 ")"));
+      }
       throw Error(absl::StrCat(error, " (no rank left the job within ", absl::FormatDuration(patience),
                                ", so fault tolerance does not apply)"));
     }

@@ -8,10 +8,14 @@
 #     kill to the next completed step is reported;
 #  2. SIGSTOP of a random non-zero rank, STOP_TRIALS times (heartbeat timeout
 #     2 s): the same, and the stopped rank, continued, stops with exit 4;
-#  3. rank 0, which hosts the coordination service, killed: the others stop
+#  3. a replacement: after a kill -9, a process started by hand in the dead rank's
+#     place joins, takes rank 0's state and the world is 3 again; the final
+#     parameters equal those of a run with that membership history (3 ranks,
+#     then 2 resuming a checkpoint, then 3 resuming theirs);
+#  4. rank 0, which hosts the coordination service, killed: the others stop
 #     with exit 4 and the message they print without fault tolerance;
-#  4. fewer ranks than min_ranks left: the job fails (exit 4) and says so;
-#  5. fault tolerance with a sharded strategy is a config error (exit 2).
+#  5. fewer ranks than min_ranks left: the job fails (exit 4) and says so;
+#  6. fault tolerance with a sharded strategy is a config error (exit 2).
 # Usage: fault_tolerance_test.sh SOURCE_DIR LOCKSTEP_TRAIN LOCKSTEP_CKPT
 # Environment: KILL_TRIALS (default 3), STOP_TRIALS (default 1), SEED (random).
 set -euo pipefail
@@ -141,7 +145,58 @@ times=""
 for ((i = 1; i <= stop_trials; ++i)); do trial "stop$i" STOP; done
 stop_times=$times
 
-# 3. Rank 0 killed: the others end as without fault tolerance.
+# 3. A replacement joins. Larger batches (slower steps) leave it time to start;
+# its own reference, with the same flags.
+flags_join=${flags/data.global_batch_size=126/data.global_batch_size=504},summary_every_steps=1
+run_local() {  # run_local NAME RANKS SET [ARGS...]: a reference run in the foreground
+  local name=$1 ranks=$2 set=$3
+  shift 3
+  "$source_dir/launch/local.sh" -n "$ranks" -- "$train" "$config" --set="$set,output_dir=$work/$name" "$@" \
+    > "$work/$name.log" 2>&1 || { local c=$?; cat "$work/$name.log"; fail "$name: exit $c"; }
+}
+victim=$((1 + RANDOM % 2))
+at=$((3 + RANDOM % 6))
+MASTER_PORT=$("$python" -c 'import socket; s = socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])')
+LOCKSTEP_JOB_TOKEN=$(od -An -N32 -tx1 /dev/urandom | tr -d ' \n')
+export MASTER_PORT LOCKSTEP_JOB_TOKEN
+"$source_dir/launch/local.sh" -n 3 --keep-going -- "$train" "$config" --set="$flags_join,output_dir=$work/join" \
+  > "$work/join.log" 2>&1 &
+launcher=$!
+pids+=("$launcher")
+wait_step join "$at"
+kill -9 "$(rank_pid "$victim")"
+deadline=$(($(date +%s) + 30))
+until grep -q "^Membership: rank(s) $victim left" "$work/join.log"; do
+  [[ $(date +%s) -lt $deadline ]] || { cat "$work/join.log"; fail "join: rank $victim's death not handled in 30 s"; }
+  sleep 0.05
+done
+t_join=$(date +%s.%N)
+RANK=$victim LOCAL_RANK=$victim WORLD_SIZE=3 LOCAL_WORLD_SIZE=3 MASTER_ADDR=127.0.0.1 \
+  "$train" "$config" --set="$flags_join,output_dir=$work/join" > "$work/joiner.log" 2>&1 ||
+  { c=$?; cat "$work/joiner.log" "$work/join.log"; fail "join: the replacement rank $victim exited with $c"; }
+finish join 120
+unset MASTER_PORT LOCKSTEP_JOB_TOKEN
+[[ $code -eq 0 ]] || { cat "$work/join.log"; fail "join: local.sh exited with $code"; }
+grep -q "^Joined the job in epoch 2 as rank $victim of 3" "$work/joiner.log" ||
+  { cat "$work/joiner.log"; fail "join: the replacement did not say it joined"; }
+left_from=$(sed -n "s/^Membership: rank(s) $victim left after step [0-9]*; .* go on from step \([0-9]*\);.*/\1/p" "$work/join.log")
+join_from=$(sed -n "s/^Membership: rank(s) $victim joined after step [0-9]*; epoch 2: 3 rank(s) (0, 1, 2) go on from step \([0-9]*\);.*/\1/p" "$work/join.log")
+[[ -n $left_from && -n $join_from ]] || { cat "$work/join.log"; fail "join: no membership lines for the leave and the join"; }
+grep -q -E "^Step +$total: train world_size \| 3\.0+$" "$work/join.log" || fail "join: the world size is not 3 at the end"
+t_grown=$(sed -n 's/^Recovered: step [0-9]* completed .* (unix time \([0-9.]*\))$/\1/p' "$work/join.log" | tail -n 1)
+join_seconds=$(awk -v a="$t_join" -v b="$t_grown" 'BEGIN { printf "%.2f", b - a }')
+run_local join_ref3 3 "$flags_join,checkpoint.every_steps=1,checkpoint.keep_last=$total"
+run_local join_ref2 2 "$flags_join,checkpoint.every_steps=1,checkpoint.keep_last=$total" \
+  --resume="$(step_dir "$work/join_ref3" "$left_from")"
+run_local join_ref3again 3 "$flags_join" --resume="$(step_dir "$work/join_ref2" "$join_from")"
+compared=$("$python" "$source_dir/tests/system/compare_consolidated.py" --rtol 1e-5 \
+  "$(consolidated "$work/join" "$total")" "$(consolidated "$work/join_ref3again" "$total")") ||
+  { echo "$compared"; fail "join: the final parameters differ from 3 -> 2 (step $left_from) -> 3 (step $join_from)"; }
+echo "OK: join: rank $victim killed after step $at, 2 ranks from step $left_from, its replacement joined and 3" \
+  "ranks went on from step $join_from ($join_seconds s from its start to the next step); final parameters: $compared"
+rm -rf "$work"/join*
+
+# 4. Rank 0 killed: the others end as without fault tolerance.
 start rank0 3 ",coordination.heartbeat_timeout_seconds=2,summary_every_steps=1"
 wait_step rank0 5
 kill -9 "$(rank_pid 0)"
@@ -154,7 +209,7 @@ done
 grep -q "lost the coordination service" "$work/rank0.log" || { cat "$work/rank0.log"; fail "rank0: no 'lost the coordination service'"; }
 echo "OK: rank 0 killed: ranks 1 and 2 stopped with exit 4, naming the lost coordination service"
 
-# 4. Below min_ranks.
+# 5. Below min_ranks.
 flags_min=$flags
 flags=${flags/fault_tolerance.min_ranks=2/fault_tolerance.min_ranks=3}
 start below 3 ",summary_every_steps=1"
@@ -166,7 +221,7 @@ flags=$flags_min
 grep -q "fewer than min_ranks 3" "$work/below.log" || { cat "$work/below.log"; fail "below min_ranks: no message"; }
 echo "OK: 2 ranks left of min_ranks 3: the job failed with exit 4, saying so"
 
-# 5. A config error.
+# 6. A config error.
 set +e
 "$source_dir/launch/local.sh" -n 2 -- "$train" "$config" \
   --set="$flags,partitioning.strategy=sharded_gradients,output_dir=$work/bad" > "$work/bad.log" 2>&1
@@ -179,4 +234,5 @@ echo "OK: fault tolerance with a sharded strategy is refused (exit 2)"
 
 echo "OK: fault tolerance: $kill_trials kill -9 trial(s), next step done after (s): ${kill_times% };" \
   "$stop_trials SIGSTOP trial(s) (heartbeat timeout 2 s): ${stop_times% }; the survivors' final parameters" \
-  "equal the switched reference within 1e-5; rank 0's death and too few ranks end the job (exit 4)"
+  "equal the switched reference within 1e-5; a replacement joined in $join_seconds s and the run equals 3 -> 2 -> 3;" \
+  "rank 0's death and too few ranks end the job (exit 4)"
