@@ -106,6 +106,8 @@ case "$command" in
     # The unit and multi-rank tests; not the installed-package build, the Slurm
     # cluster, the end-to-end training run or the benchmark smoke run.
     export INJECTIONS=${INJECTIONS:-5}  # the chaos test: 5 injections, not 20 (slow under ASan)
+    # The fault-tolerance test: one kill and one SIGSTOP trial, not 3 and 1.
+    export KILL_TRIALS=${KILL_TRIALS:-1} STOP_TRIALS=${STOP_TRIALS:-1}
     exec ctest --test-dir "$dir" --output-on-failure --timeout 1800 -j 2 -LE 'install|slurm|e2e|bench_smoke' "$@" ;;
   fuzz)
     # Every target runs its regression inputs (inputs that once failed), then

@@ -1102,7 +1102,14 @@ JobResult TrainingJob::RunOrThrow(BaseTrainer& trainer, BatchIterator& train_dat
     if (trainer.halt().halt) break;
     if (state.step == before) break;  // the train data ran out
    } catch (const std::exception& e) {
-    if (!fault_tolerant) throw;
+    // What a lost peer causes: a failed or aborted collective (also as libtorch's
+    // error, from a gradient hook inside backward), a coordination call, a
+    // checkpoint's barrier. Anything else is this rank's own failure.
+    const bool peer_related = dynamic_cast<const CollectiveError*>(&e) != nullptr ||
+                              dynamic_cast<const CoordinationError*>(&e) != nullptr ||
+                              dynamic_cast<const CheckpointError*>(&e) != nullptr ||
+                              dynamic_cast<const c10::Error*>(&e) != nullptr;
+    if (!fault_tolerant || !peer_related) throw;
     recover(e);
    }
   }
