@@ -186,7 +186,12 @@ class GlooCommunicator final : public Communicator {
       }
       pending = pending || !work->isCompleted();
     }
-    if (pending) group_.release();
+    if (pending) {
+      group_.release();
+    } else {
+      group_.reset();  // joins its workers before the works go
+    }
+    launched_.clear();
   }
 
   int rank() const override { return rank_; }
@@ -327,10 +332,17 @@ class GlooCommunicator final : public Communicator {
       shared_->Break(message);
       throw CollectiveError(message);
     }
-    // The works not yet seen complete, for the destructor.
-    launched_.erase(std::remove_if(launched_.begin(), launched_.end(),
-                                   [](const c10::intrusive_ptr<c10d::Work>& w) { return w->isCompleted(); }),
-                    launched_.end());
+    // The works not yet seen complete, for the destructor, and the last few that
+    // are: c10d's worker signals a work's condition variable after marking it
+    // complete, so the last reference goes a few collectives later, not as soon
+    // as a waiter has seen it complete.
+    constexpr size_t kKeepRecent = 8;
+    if (launched_.size() > kKeepRecent) {
+      const auto old_end = launched_.end() - kKeepRecent;
+      launched_.erase(std::remove_if(launched_.begin(), old_end,
+                                     [](const c10::intrusive_ptr<c10d::Work>& w) { return w->isCompleted(); }),
+                      old_end);
+    }
     launched_.push_back(work);
     return std::make_shared<GlooWork>(shared_, std::move(work), Clock::now() + options.timeout, what,
                                       std::move(finish));
