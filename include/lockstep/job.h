@@ -281,6 +281,7 @@ class JobEnvironment {
   Membership membership_;
   std::vector<std::unique_ptr<Communicator>> retired_;
   std::unique_ptr<CoordinationClient> view_;
+  std::vector<std::unique_ptr<CoordinationClient>> retired_views_;
   std::string gloo_hostname_;
   bool joined_late_ = false;
 

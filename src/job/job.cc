@@ -524,6 +524,8 @@ const JobEnvironment::Membership& JobEnvironment::Reconfigure(const std::string&
   gloo.hostname = gloo_hostname_.empty() ? "127.0.0.1" : gloo_hostname_;
   gloo.timeout = absl::ToChronoMilliseconds(std::min(options_.collective_timeout, patience + absl::Seconds(30)));
   membership_ = next;
+  // The old view stays too: a checkpoint save in flight may still use it.
+  if (view_) retired_views_.push_back(std::move(view_));
   view_ = std::make_unique<EpochView>(client_.get(), membership_);
   if (next.world_size > 1) {
     communicator_ = MakeGlooCommunicator(GlooStoreOverCoordination(*client_, absl::StrCat("epoch", epoch)), next.rank,
