@@ -79,7 +79,9 @@ struct CoordinationServiceOptions {
   // once it has registered, and sends a kMemberLeft event. Barriers then wait for
   // the live ranks only, and a removed rank's heartbeats are refused (ABORTED).
   // A new process that registers in a dead rank's place (a replacement) starts
-  // the next epoch with it, and a kMemberJoined event goes out.
+  // the next epoch with it, and a kMemberJoined event goes out. A blocking get
+  // that waits across a change of epoch ends with FAILED_PRECONDITION (its key
+  // may be one that a rank now gone was to set).
   bool fault_tolerant = false;
   int min_ranks = 1;
 };

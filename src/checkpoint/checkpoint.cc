@@ -934,7 +934,9 @@ void CheckpointManager::Write(const Job& job) {
     ThrowIfError(coordination_->Barrier(key_prefix + "written", options_.barrier_timeout),
                  absl::StrCat("checkpoint step ", job.step, ": waiting for every rank's shard"));
   }
-  if (rank_ == 0) {
+  // Rank 0 commits; should it fail, the others learn it at the "committed"
+  // barrier from "failed" rather than wait for a commit that will not come.
+  auto commit = [&] {
     checkpoint::Manifest manifest;
     manifest.set_step(job.step);
     manifest.set_world_size(world_size_);
@@ -946,11 +948,13 @@ void CheckpointManager::Write(const Job& job) {
     manifest.set_created_unix_seconds(
         std::chrono::duration_cast<std::chrono::seconds>(std::chrono::system_clock::now().time_since_epoch()).count());
     for (const auto& [metric, value] : job.metrics) (*manifest.mutable_metrics())[metric] = value;
-    // Every rank's report (rank 0's own, alone, needs no store).
+    // Every rank's report (rank 0's own, alone, needs no store). Each rank
+    // reported before the "written" barrier, so a report still missing is a
+    // rank that left a fault-tolerant job: no need to wait long.
     std::vector<std::string> reports = {absl::StrCat(bytes_written, " ", crc)};
     if (coordination_ != nullptr && world_size_ > 1) {
       absl::StatusOr<std::vector<std::string>> gathered =
-          GatherPublished(*coordination_, key_prefix + "shard/", absl::Minutes(1));
+          GatherPublished(*coordination_, key_prefix + "shard/", absl::Seconds(5));
       ThrowIfError(gathered.status(), "checkpoint: the ranks' shard reports");
       reports = *std::move(gathered);
     }
@@ -1003,11 +1007,29 @@ void CheckpointManager::Write(const Job& job) {
     fs::rename(latest_tmp, dir / kLatestFile);
     FsyncDirectory(dir.string());
     ApplyRetention(job.step);
+  };
+  const bool shared = coordination_ != nullptr && world_size_ > 1;
+  if (rank_ == 0) {
+    try {
+      commit();
+    } catch (const std::exception& e) {
+      if (shared) {
+        (void)coordination_->Set(key_prefix + "failed", e.what());
+        (void)coordination_->Barrier(key_prefix + "committed", options_.barrier_timeout);
+      }
+      throw;
+    }
   }
-  if (coordination_ != nullptr && world_size_ > 1) {
+  if (shared) {
     ThrowIfError(coordination_->Barrier(key_prefix + "committed", options_.barrier_timeout),
                  absl::StrCat("checkpoint step ", job.step, ": waiting for rank 0 to commit"));
     (void)coordination_->Delete(absl::StrCat(key_prefix, "shard/", rank_));
+    if (rank_ != 0) {
+      absl::StatusOr<std::optional<std::string>> failed = coordination_->TryGet(key_prefix + "failed");
+      if (failed.ok() && *failed) {
+        throw CheckpointError(absl::StrCat("checkpoint step ", job.step, ": rank 0 could not commit it: ", **failed));
+      }
+    }
   }
 }
 

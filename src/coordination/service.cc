@@ -259,7 +259,12 @@ class Service final : public pb::Coordination::Service, public CoordinationServi
     const absl::Duration timeout = ClampWait(request->timeout_ms());
     absl::MutexLock lock(&mu_);
     const absl::Time deadline = absl::Now() + timeout;
-    auto ready = [this, request] { return kv_.count(request->key()) > 0 || stopping_ || !failure_.empty(); };
+    // In a fault-tolerant job a wait ends when the membership changes: the key
+    // may be one that a rank now gone was to set (a checkpoint's shard report).
+    const int64_t start_epoch = epoch_;
+    auto ready = [this, request, start_epoch] {
+      return kv_.count(request->key()) > 0 || stopping_ || !failure_.empty() || epoch_ != start_epoch;
+    };
     while (!ready() && request->timeout_ms() > 0) {
       if (context->IsCancelled()) return grpc::Status(grpc::StatusCode::CANCELLED, "get cancelled by the client");
       if (absl::Now() >= deadline) {
@@ -275,6 +280,9 @@ class Service final : public pb::Coordination::Service, public CoordinationServi
       response->set_value(it->second);
     } else if (stopping_) {
       return ToGrpc(absl::UnavailableError("the coordination service is shutting down"));
+    } else if (epoch_ != start_epoch && request->timeout_ms() > 0) {
+      return ToGrpc(absl::FailedPreconditionError(absl::StrCat(
+          "the job's membership changed (epoch ", epoch_, ") while waiting for key '", request->key(), "'")));
     }
     return grpc::Status::OK;
   }

@@ -501,6 +501,8 @@ TEST(CoordinationTest, AFaultTolerantJobGoesOnWithoutARankThatDiesUntilTooFewAre
   auto stream1 = open_stream(1);
   auto stream2 = open_stream(2);
   absl::SleepFor(absl::Milliseconds(400));  // the service has both streams
+  // A wait for a key that the rank about to go was to set.
+  auto waiting = std::async(std::launch::async, [&] { return (*client)->Get("from-rank-2", absl::Seconds(20)); });
   const absl::Time dropped = absl::Now();
   stream2->context.TryCancel();
   auto left = log.WaitFor(CoordinationEvent::Kind::kMemberLeft, absl::Seconds(5));
@@ -513,6 +515,12 @@ TEST(CoordinationTest, AFaultTolerantJobGoesOnWithoutARankThatDiesUntilTooFewAre
   EXPECT_EQ(service->failure(), "");
   EXPECT_EQ(value(kEpochKey), "1");
   EXPECT_EQ(value(EpochMembersKey(1)), "0,1");
+  absl::StatusOr<std::string> waited = waiting.get();
+  EXPECT_EQ(waited.status().code(), absl::StatusCode::kFailedPrecondition) << waited.status();
+  EXPECT_THAT(std::string(waited.status().message()),
+              HasSubstr("membership changed (epoch 1) while waiting for key 'from-rank-2'"));
+  EXPECT_LT(absl::Now() - dropped, absl::Seconds(5));
+  EXPECT_FALSE((*client)->failure().has_value());
 
   // Barriers wait for the live ranks only.
   auto barrier1 = std::async(std::launch::async, [&] {
