@@ -926,10 +926,12 @@ void CheckpointManager::Write(const Job& job) {
   if (ec) throw CheckpointError(absl::StrCat("cannot create '", tmp.string(), "': ", ec.message()));
 
   const auto [bytes_written, crc] = WriteShard((tmp / ShardName(rank_)).string(), job.values);
+  // A lambda may not capture a structured binding in C++17 (clang refuses).
+  const std::string own_report = absl::StrCat(bytes_written, " ", crc);
 
   const std::string key_prefix = absl::StrCat("lockstep/checkpoint/", job.step, "/");
   if (coordination_ != nullptr && world_size_ > 1) {
-    ThrowIfError(Publish(*coordination_, key_prefix + "shard/", absl::StrCat(bytes_written, " ", crc)),
+    ThrowIfError(Publish(*coordination_, key_prefix + "shard/", own_report),
                  "checkpoint: reporting this rank's shard");
     ThrowIfError(coordination_->Barrier(key_prefix + "written", options_.barrier_timeout),
                  absl::StrCat("checkpoint step ", job.step, ": waiting for every rank's shard"));
@@ -951,7 +953,7 @@ void CheckpointManager::Write(const Job& job) {
     // Every rank's report (rank 0's own, alone, needs no store). Each rank
     // reported before the "written" barrier, so a report still missing is a
     // rank that left a fault-tolerant job: no need to wait long.
-    std::vector<std::string> reports = {absl::StrCat(bytes_written, " ", crc)};
+    std::vector<std::string> reports = {own_report};
     if (coordination_ != nullptr && world_size_ > 1) {
       absl::StatusOr<std::vector<std::string>> gathered =
           GatherPublished(*coordination_, key_prefix + "shard/", absl::Seconds(5));
