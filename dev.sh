@@ -31,6 +31,7 @@ PACKAGES=(
   dataset-fashion-mnist python3-torch
   slurm-wlm munge
   bible-kjv bible-kjv-text
+  iproute2 iputils-ping util-linux openssl bc
 )
 FUZZ_PACKAGES=(clang libclang-rt-dev)
 
@@ -104,11 +105,12 @@ case "$command" in
     # see, so every parallel kernel would be reported as a race.
     [[ $command == tsan ]] && export OMP_NUM_THREADS=1
     # The unit and multi-rank tests; not the installed-package build, the Slurm
-    # cluster, the end-to-end training run or the benchmark smoke run.
+    # cluster, the namespace cluster, the end-to-end training run or the benchmark
+    # smoke run.
     export INJECTIONS=${INJECTIONS:-5}  # the chaos test: 5 injections, not 20 (slow under ASan)
     # The fault-tolerance test: one kill and one SIGSTOP trial, not 3 and 1.
     export KILL_TRIALS=${KILL_TRIALS:-1} STOP_TRIALS=${STOP_TRIALS:-1}
-    exec ctest --test-dir "$dir" --output-on-failure --timeout 1800 -j 2 -LE 'install|slurm|e2e|bench_smoke' "$@" ;;
+    exec ctest --test-dir "$dir" --output-on-failure --timeout 1800 -j 2 -LE 'install|slurm|cluster|e2e|bench_smoke' "$@" ;;
   fuzz)
     # Every target runs its regression inputs (inputs that once failed), then
     # fuzzes for SECONDS from its seed corpus; new inputs it finds go to

@@ -51,6 +51,12 @@ args+=(-x LOCKSTEP_JOB_TOKEN)
 if [[ -n $hosts ]]; then
   export MASTER_ADDR=${hosts%%[:,]*} MASTER_PORT=${LOCKSTEP_COORDINATOR_PORT:-29400}
   args+=(-x MASTER_ADDR -x MASTER_PORT)
+  # Open MPI's daemons probe an idle connection to mpirun after 2 s and give up
+  # after 3 unanswered probes (default: after 300 s + 9 x 20 s), so that mpirun ends
+  # soon after a host becomes unreachable.
+  export OMPI_MCA_oob_tcp_keepalive_time=${OMPI_MCA_oob_tcp_keepalive_time:-2}
+  export OMPI_MCA_oob_tcp_keepalive_intvl=${OMPI_MCA_oob_tcp_keepalive_intvl:-1}
+  export OMPI_MCA_oob_tcp_keepalive_probes=${OMPI_MCA_oob_tcp_keepalive_probes:-3}
 fi
 # Shared-memory transfers through CMA are refused in many containers; plain copies work everywhere.
 export OMPI_MCA_btl_vader_single_copy_mechanism=${OMPI_MCA_btl_vader_single_copy_mechanism:-none}

@@ -73,8 +73,9 @@ int Run(const config::TrainerConfig& cfg, const Runtime& runtime, std::unique_pt
   env_options.program = "lockstep_train";
   env = JobEnvironment::Create(env_options, runtime);
   if (runtime.is_chief() && env->coordination()) {
-    std::printf("Coordination: job '%s' at %s (%s), heartbeat timeout %.1f s\n", env->job_id().c_str(),
+    std::printf("Coordination: job '%s' at %s (%s, %s), heartbeat timeout %.1f s\n", env->job_id().c_str(),
                 env->coordination_address().c_str(), env->hosts_coordination_service() ? "hosted by rank 0" : "standalone",
+                cfg.coordination().tls_cert_file().empty() && cfg.coordination().tls_ca_file().empty() ? "plaintext" : "TLS",
                 cfg.coordination().heartbeat_timeout_seconds());
   }
 

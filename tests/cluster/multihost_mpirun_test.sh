@@ -1,0 +1,148 @@
+#!/usr/bin/env bash
+# launch/mpirun.sh --hosts across the hosts of a namespace cluster (tests/cluster/cluster.sh):
+#  1. 4 ranks on 2 hosts (2 per host), the coordination service on node0 reached over
+#     the bridge with TLS: the Fashion-MNIST job prints the losses of 1 process within
+#     1e-5; the ranks of a host share memory (Open MPI's vader segments of node0 and
+#     node1 in /dev/shm), and the gradients cross the link (node1's link carries at
+#     least one full gradient per step);
+#  2. 4 ranks on 4 hosts (1 per host): the same losses;
+#  3. node1's link cut mid-run: every rank ends within heartbeat timeout + 5 s, those
+#     on node0 naming a rank on node1 and its host, those on node1 the lost service on
+#     node0; mpirun exits non-zero and no process is left on any host.
+# Prints the figures: each run's time, the bytes over node1's link, the seconds from
+# the cut to the last rank's end and to the last process's.
+# Usage: multihost_mpirun_test.sh SOURCE_DIR LOCKSTEP_TRAIN
+# Needs root (network namespaces) and openssl; prints SKIP and exits 0 without them.
+set -euo pipefail
+source_dir=$1
+train=$2
+skip() { echo "SKIP: $*"; exit 0; }
+[[ $(id -u) -eq 0 ]] || skip "network namespaces need root"
+for tool in ip tc nsenter unshare ping openssl mpirun; do
+  command -v "$tool" >/dev/null || skip "$tool not found"
+done
+probe=lockstep-probe-$$
+ip netns add "$probe" 2>/dev/null || skip "cannot create a network namespace here"
+ip netns del "$probe"
+
+# A launcher environment around this test must not reach its jobs.
+while read -r name; do unset "$name"; done < <(compgen -e | grep -E '^(SLURM_|OMPI_COMM_WORLD_|OMPI_MCA_oob)' || true)
+unset MASTER_ADDR MASTER_PORT RANK WORLD_SIZE LOCAL_RANK LOCAL_WORLD_SIZE LOCKSTEP_JOB_TOKEN LOCKSTEP_JOB_TOKEN_FILE
+
+work=$(mktemp -d /tmp/lockstep_multihost.XXXXXX)
+source "$source_dir/tests/cluster/cluster.sh"
+source "$source_dir/tests/system/loss_helpers.sh"  # compare_losses
+finish() {
+  cluster_down
+  if [[ -n ${LOCKSTEP_KEEP_TEST_DIR:-} ]]; then echo "kept $work"; else rm -rf "$work"; fi
+}
+trap finish EXIT
+trap 'exit 130' INT
+trap 'exit 143' TERM
+t0=$(date +%s.%N)
+say() { printf '[%.1f s] %s\n' "$(echo "$(date +%s.%N) - $t0" | bc)" "$*"; }
+fail() { echo "FAIL: $*"; exit 1; }
+now() { date +%s.%N; }
+seconds() { echo "scale=2; ($2 - $1) / 1" | bc; }
+
+cluster_up 4 "$work/cluster" || fail "could not build the cluster"
+tag=$(cat "$work/cluster/tag")
+say "cluster: 4 hosts (node0..node3, 10.99.0.1-4) on bridge lk${tag}br"
+
+config=--config=$source_dir/configs/fashion_mnist_cnn.textproto
+steps=30
+flags="num_train_steps=$steps,summary_every_steps=10,eval_every_steps=30,progress=lines,data.global_batch_size=124"
+mpirun_on_node0() {  # mpirun_on_node0 HOSTS OUTDIR LOG [FLAGS]: 4 ranks from node0
+  local hosts=$1 out=$2 log=$3 extra=${4:-}
+  cluster_exec node0 env MPIRUN_EXTRA_ARGS="--mca plm_rsh_agent $work/cluster/agent --output-filename $out/ranks" \
+    LOCKSTEP_COORDINATOR_PORT=29400 "$source_dir/launch/mpirun.sh" -n 4 --hosts "$hosts" -- \
+    "$train" "$config" --set="$flags,output_dir=$out$extra" > "$log" 2>&1
+}
+
+# The reference: 1 process.
+"$train" "$config" --set="$flags,output_dir=$work/one" > "$work/one.log" 2>&1 || { cat "$work/one.log"; fail "1 process"; }
+
+# 1. 2 hosts x 2 ranks, TLS. The certificate names node0, where the service runs.
+openssl req -x509 -newkey rsa:2048 -nodes -days 1 -subj /CN=node0 -addext subjectAltName=DNS:node0 \
+  -keyout "$work/key.pem" -out "$work/cert.pem" > /dev/null 2>&1 || fail "openssl could not make a certificate"
+tls=",coordination.tls_cert_file=$work/cert.pem,coordination.tls_key_file=$work/key.pem"
+link=/sys/class/net/lk${tag}v1/statistics
+before=$(( $(cat "$link/rx_bytes") + $(cat "$link/tx_bytes") ))
+: > "$work/shm.txt"
+( for _ in $(seq 1 300); do ls /dev/shm >> "$work/shm.txt" 2>/dev/null; sleep 0.1; done ) &
+watcher=$!
+start=$(now)
+mpirun_on_node0 node0:2,node1:2 "$work/two" "$work/two.log" "$tls" || { cat "$work/two.log"; fail "2 hosts x 2 ranks"; }
+two_seconds=$(seconds "$start" "$(now)")
+kill "$watcher" 2>/dev/null; wait "$watcher" 2>/dev/null || true
+bytes=$(( $(cat "$link/rx_bytes") + $(cat "$link/tx_bytes") - before ))
+grep -q "^Coordination: job '.*' at node0:29400 (hosted by rank 0, TLS)" "$work/two.log" ||
+  { head -5 "$work/two.log"; fail "the service was not at node0:29400 with TLS"; }
+grep -q "^lockstep_train: 4 rank(s) via mpirun, mpi backend" "$work/two.log" || fail "2 hosts: not 4 MPI ranks"
+result=$(compare_losses "$work/one.log" "$work/two.log" 3 1e-5) || { cat "$work/two.log"; fail "2 hosts x 2 ranks against 1 process: $result"; }
+for host in node0 node1; do
+  grep -q "^vader_segment\.$host\." "$work/shm.txt" || fail "no shared-memory (vader) segment of $host's ranks in /dev/shm"
+done
+# Any all-reduce moves at least one gradient (421642 floats) over the link each step.
+floor=$(( steps * 421642 * 4 ))
+(( bytes >= floor )) || fail "node1's link carried $bytes bytes, less than one gradient per step ($floor)"
+say "2 hosts x 2 ranks (TLS): $result; ${two_seconds} s; node1's link carried $((bytes / 1000000)) MB" \
+    "($(echo "scale=2; $bytes / $floor" | bc) gradients per step)"
+
+# 2. 4 hosts x 1 rank.
+start=$(now)
+mpirun_on_node0 node0:1,node1:1,node2:1,node3:1 "$work/four" "$work/four.log" || { cat "$work/four.log"; fail "4 hosts"; }
+four_seconds=$(seconds "$start" "$(now)")
+result4=$(compare_losses "$work/one.log" "$work/four.log" 3 1e-5) || { cat "$work/four.log"; fail "4 hosts against 1 process: $result4"; }
+say "4 hosts x 1 rank: $result4; ${four_seconds} s"
+
+# 3. node1's link cut mid-run (heartbeat timeout 3 s).
+hb=3
+(code=0
+ mpirun_on_node0 node0:2,node1:2 "$work/cut" "$work/cut.log" \
+   ",num_train_steps=100000,coordination.heartbeat_timeout_seconds=$hb" || code=$?
+ echo "$code" > "$work/cut.rc") &
+runner=$!
+for _ in $(seq 1 600); do
+  [[ $(grep -c "^Step" "$work/cut.log" 2>/dev/null) -ge 18 ]] && break
+  [[ -e $work/cut.rc ]] && { cat "$work/cut.log"; fail "the job to cut ended early"; }
+  sleep 0.1
+done
+[[ $(grep -c "^Step" "$work/cut.log") -ge 18 ]] || fail "the job to cut did not reach step 20 in 60 s"
+trains() {  # the lockstep_train processes left on the cluster's hosts
+  local h p
+  for h in node0 node1; do
+    for p in $(cluster_pids "$h"); do [[ $(ps -o comm= -p "$p" 2>/dev/null) == lockstep_train ]] && echo "$p"; done
+  done
+  return 0
+}
+[[ $(trains | wc -l) -eq 4 ]] || fail "expected 4 ranks running before the cut"
+cut_at=$(now)
+cluster_cut node1
+ranks_end="" all_end=""
+for _ in $(seq 1 600); do
+  if [[ -z $ranks_end && -z $(trains) ]]; then ranks_end=$(seconds "$cut_at" "$(now)"); fi
+  if [[ -n $ranks_end ]]; then
+    left=$( (cluster_pids node0; cluster_pids node1) | { grep -vx -e "$(cat "$work/cluster/node0.pid")" \
+            -e "$(cat "$work/cluster/node1.pid")" || true; } | wc -l)
+    if [[ $left -eq 0 && -e $work/cut.rc ]]; then all_end=$(seconds "$cut_at" "$(now)"); break; fi
+  fi
+  sleep 0.1
+done
+wait "$runner" || true
+[[ -n $ranks_end ]] || fail "ranks still running 60 s after the cut: $(trains | tr '\n' ' ')"
+[[ -n $all_end ]] || { for h in node0 node1; do cluster_pids "$h" | xargs -r ps -o pid,cmd -p; done; fail "processes left 60 s after the cut"; }
+(( $(echo "$ranks_end <= $hb + 5" | bc) )) || fail "the ranks ended ${ranks_end} s after the cut, over $hb + 5 s"
+code=$(cat "$work/cut.rc")
+[[ $code -ne 0 ]] || fail "mpirun exited 0 after the cut"
+for r in 0 1; do
+  grep -qE "rank $r: stopped: rank [23] \(host node1, pid [0-9]+\) is dead: no heartbeat" "$work/cut/ranks/1/rank.$r/stderr" ||
+    { cat "$work/cut/ranks/1/rank.$r/stderr"; fail "rank $r (node0) did not name the rank and host it lost"; }
+done
+for r in 2 3; do
+  grep -qE "rank $r: stopped: lost the coordination service at node0:29400" "$work/cut/ranks/1/rank.$r/stderr" ||
+    { cat "$work/cut/ranks/1/rank.$r/stderr"; fail "rank $r (node1) did not name the service it lost"; }
+done
+say "link cut: every rank ended ${ranks_end} s after the cut (heartbeat timeout $hb s), every process" \
+    "${all_end} s after; mpirun exit $code; $(grep -ohE 'rank [23] \(host node1[^)]*\) is dead' "$work/cut/ranks/1/rank.0/stderr" | head -1)"
+echo "OK: several hosts: 2x2 (TLS) and 4x1 match 1 process; a cut link ends every rank in ${ranks_end} s"
