@@ -292,7 +292,14 @@ std::unique_ptr<JobEnvironment> JobEnvironment::Create(const JobEnvironmentOptio
   std::unique_ptr<JobEnvironment> env(new JobEnvironment(options, runtime));
   // The handlers first, so that a signal during start-up is not lost.
   env->preemption_ = std::make_unique<PreemptionSyncPoint>();
-  if (options.install_signal_handlers) env->preemption_->InstallSignalHandlers();
+  if (options.install_signal_handlers) {
+    env->preemption_->InstallSignalHandlers();
+    // A peer that vanishes (a lost host) must not kill this rank with SIGPIPE while
+    // a transport writes to its socket: the write fails instead, and the
+    // coordination service's event says which rank and host are gone.
+    struct sigaction pipe {};
+    if (sigaction(SIGPIPE, nullptr, &pipe) == 0 && pipe.sa_handler == SIG_DFL) signal(SIGPIPE, SIG_IGN);
+  }
   env->notice_target_ = env->preemption_.get();
 
   env->device_ = ResolveDevice(options.device, runtime);

@@ -17,16 +17,16 @@
 # A test sources this file and calls cluster_up / cluster_exec / ... / cluster_down
 # (the same commands as functions, DIR set once by cluster_up).
 #
-# How a host is made: a holder process (sleep) enters the namespace with
-# `ip netns exec` (which also binds /etc/netns/<ns>/hosts over /etc/hosts in a mount
-# namespace of its own) and `unshare --uts` sets its hostname; every command on the
-# host then joins the holder's network, UTS and mount namespaces with nsenter. Open
+# How a host is made: a holder process (sleep) enters the network namespace, and
+# `unshare --uts --mount` gives it its hostname, the cluster's hosts file bound
+# over /etc/hosts and a private /var/tmp (node<i>.var-tmp in DIR); every command on the host then joins the holder's network, UTS
+# and mount namespaces with nsenter. Open
 # MPI reaches the hosts through DIR/agent, a launch agent in ssh's place
 # (`--mca plm_rsh_agent DIR/agent`) that runs the daemon's command on the host named.
 #
 # Everything it builds is named in DIR (the namespaces, the bridge, each holder's
 # PID), so `down` removes exactly that and nothing else; a test calls it from its
-# EXIT trap. The process on a host are found by network namespace (ip netns pids)
+# EXIT trap. The processes on a host are found by network namespace (ip netns pids)
 # and ended by PID.
 
 cluster_subnet=10.99.0
@@ -52,15 +52,14 @@ cluster_up() {
   ip link add "$bridge" type bridge || { _cluster_fail "up: cannot create bridge $bridge"; return 1; }
   echo "$bridge" > "$cluster_dir/bridge"
   ip link set "$bridge" up
-  local hosts_file=""
-  hosts_file+=$'127.0.0.1 localhost\n'
-  for ((i = 0; i < k; i++)); do hosts_file+="$cluster_subnet.$((i + 1)) node$i"$'\n'; done
+  {
+    echo "127.0.0.1 localhost"
+    for ((i = 0; i < k; i++)); do echo "$cluster_subnet.$((i + 1)) node$i"; done
+  } > "$cluster_dir/hosts"
   for ((i = 0; i < k; i++)); do
     local ns=lockstep-$tag-node$i veth=lk${tag}v$i
     ip netns add "$ns" || { _cluster_fail "up: ip netns add $ns"; return 1; }
     echo "$ns" >> "$cluster_dir/namespaces"
-    mkdir -p "/etc/netns/$ns"
-    printf '%s' "$hosts_file" > "/etc/netns/$ns/hosts"
     ip link add "$veth" type veth peer name eth0 netns "$ns" || { _cluster_fail "up: veth for node$i"; return 1; }
     ip link set "$veth" master "$bridge"
     ip link set "$veth" up
@@ -72,9 +71,14 @@ cluster_up() {
     # whose link is cut notices that its mpirun is gone and exits. A site that runs
     # mpirun across hosts sets the same (Slurm ends its steps itself).
     ip netns exec "$ns" sysctl -qw net.ipv4.tcp_retries2=5
-    # The holder: in the namespace, with the hostname node<i>, until `down`.
-    ip netns exec "$ns" unshare --uts -- /bin/sh -c 'hostname "$1" && exec sleep infinity' sh "node$i" \
-      < /dev/null > /dev/null 2>&1 &
+    # The holder: in the network namespace, with the hostname node<i>, the
+    # cluster's /etc/hosts and a /var/tmp of its own (bind mounts in a mount
+    # namespace of its own; the rest of the file system, /tmp, /sys and its cgroups
+    # included, is the machine's, as a shared file system would be), until `down`.
+    mkdir -p "$cluster_dir/node$i.var-tmp"
+    nsenter --net="/run/netns/$ns" unshare --uts --mount --propagation slave -- \
+      /bin/sh -c 'mount --bind "$2" /etc/hosts && mount --bind "$3" /var/tmp && hostname "$1" && exec sleep infinity' \
+      sh "node$i" "$cluster_dir/hosts" "$cluster_dir/node$i.var-tmp" < /dev/null > /dev/null 2>&1 &
     echo $! > "$cluster_dir/node$i.pid"
   done
   # Every holder has set its hostname and sees every other host.
@@ -174,12 +178,12 @@ cluster_down() {
       ip netns del "$ns" 2>/dev/null
       # A namespace lingers while its sockets close: its veth goes now.
       ip link del "lk$(cat "$cluster_dir/tag")v${ns##*-node}" 2>/dev/null
-      rm -rf "/etc/netns/$ns"
     done < "$cluster_dir/namespaces"
   fi
   [[ -f $cluster_dir/bridge ]] && ip link del "$(cat "$cluster_dir/bridge")" 2>/dev/null
   rm -f "$cluster_dir"/tag "$cluster_dir"/size "$cluster_dir"/bridge "$cluster_dir"/namespaces \
-        "$cluster_dir"/node*.pid "$cluster_dir"/agent
+        "$cluster_dir"/node*.pid "$cluster_dir"/agent "$cluster_dir"/hosts
+  rm -rf "$cluster_dir"/node*.var-tmp
   return 0
 }
 
