@@ -15,6 +15,8 @@
 #   ./dev.sh faults                        the fault suite: faults injected into real jobs, one table
 #   ./dev.sh ft-trials [KILLS [STOPS]]     fault tolerance: KILLS kill -9 and STOPS SIGSTOP trials on 3
 #                                          ranks (default 10 and 5; CI runs 3 and 1)
+#   ./dev.sh multihost-slurm [HOSTS]       launch/slurm.sbatch on a Slurm cluster of HOSTS network-namespace
+#                                          hosts (default 4; CI runs 2): losses, SIGUSR1, a lost host (root)
 #
 # Environment: BUILD_DIR (default: build), LOCKSTEP_RANKS (default: 2) for train,
 # LOCKSTEP_SKIP_INSTALL=1 to skip apt.
@@ -167,6 +169,9 @@ case "$command" in
     build
     KILL_TRIALS=${1:-10} STOP_TRIALS=${2:-5} exec tests/system/fault_tolerance_test.sh "$PWD" \
       "$BUILD_DIR/lockstep_train" "$BUILD_DIR/lockstep_ckpt" ;;
+  multihost-slurm)
+    build
+    exec tests/cluster/multihost_slurm_test.sh "$PWD" "$BUILD_DIR/lockstep_train" "${1:-4}" ;;
   bench)
     build
     exec "$BUILD_DIR/benchmarks/trainer_step_benchmark" "$@" ;;

@@ -18,9 +18,15 @@
 namespace lockstep {
 namespace {
 
+// One communicator per chunk size. main() releases them before it returns: MPI
+// is finalised at exit, and a communicator freed after that aborts the process.
+std::map<int64_t, std::unique_ptr<Communicator>>& Comms() {
+  static auto* comms = new std::map<int64_t, std::unique_ptr<Communicator>>;
+  return *comms;
+}
+
 std::unique_ptr<Communicator>& Comm(int64_t chunk_bytes) {
-  static std::map<int64_t, std::unique_ptr<Communicator>> comms;
-  auto& comm = comms[chunk_bytes];
+  auto& comm = Comms()[chunk_bytes];
   if (!comm) {
     MpiOptions options;
     options.chunk_bytes = static_cast<size_t>(chunk_bytes);
@@ -69,8 +75,10 @@ class SilentReporter : public benchmark::BenchmarkReporter {
 }  // namespace lockstep
 
 int main(int argc, char** argv) {
-  auto& first = lockstep::Comm(1 << 20);  // initialises MPI
+  // Flags first: --help and a bad flag end the process before MPI starts.
   benchmark::Initialize(&argc, argv);
+  if (benchmark::ReportUnrecognizedArguments(argc, argv)) return 2;
+  auto& first = lockstep::Comm(1 << 20);  // initialises MPI
   lockstep::Register();
   if (first->rank() == 0) {
     std::printf("ranks: %d; args: message bytes[/chunk bytes]; chunk 1 GiB = not chunked\n", first->world_size());
@@ -80,5 +88,6 @@ int main(int argc, char** argv) {
     benchmark::RunSpecifiedBenchmarks(&silent);
   }
   benchmark::Shutdown();
+  lockstep::Comms().clear();
   return 0;
 }

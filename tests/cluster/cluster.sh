@@ -80,6 +80,7 @@ cluster_up() {
       /bin/sh -c 'mount --bind "$2" /etc/hosts && mount --bind "$3" /var/tmp && hostname "$1" && exec sleep infinity' \
       sh "node$i" "$cluster_dir/hosts" "$cluster_dir/node$i.var-tmp" < /dev/null > /dev/null 2>&1 &
     echo $! > "$cluster_dir/node$i.pid"
+    disown $! 2>/dev/null || true  # no "Killed" from the caller's shell when a test kills a host
   done
   # Every holder has set its hostname and sees every other host.
   for ((i = 0; i < k; i++)); do
@@ -102,11 +103,26 @@ cluster_up() {
 #!/bin/sh
 # Open MPI's launch agent for the cluster in $cluster_dir: agent [OPTIONS] HOST COMMAND...
 # (as ssh is called: the command's words are joined and run by a shell on HOST).
+# Like an ssh client, the agent stays on the calling host while the command runs on
+# HOST, and it learns of the command's end only while HOST's link is up: when the
+# command is killed on a host whose link is down (a host that lost power), the agent
+# waits, as ssh would, until its caller gives up on it (or is gone). Signals to the
+# agent go to the command.
 while [ \$# -gt 0 ]; do case "\$1" in -*) shift ;; *) break ;; esac; done
 host=\$1; shift
 case "\$host" in node[0-9]*) ;; *) echo "agent: no host '\$host' in $cluster_dir" >&2; exit 255 ;; esac
 [ -f "$cluster_dir/\$host.pid" ] || { echo "agent: no host '\$host' in $cluster_dir" >&2; exit 255; }
-exec nsenter --target "\$(cat "$cluster_dir/\$host.pid")" --net --uts --mount --wd="\$PWD" -- /bin/sh -c "\$*"
+caller=\$PPID
+nsenter --target "\$(cat "$cluster_dir/\$host.pid")" --net --uts --mount --wd="\$PWD" -- /bin/sh -c "\$*" <&0 &
+child=\$!
+trap 'kill -TERM \$child 2>/dev/null || exit 143' TERM INT HUP
+code=0
+while kill -0 \$child 2>/dev/null; do wait \$child; code=\$?; done
+while ! ip -n "lockstep-$tag-\$host" link show eth0 2>/dev/null | grep -q '[<,]UP[,>]'; do
+  kill -0 \$caller 2>/dev/null || exit 255
+  sleep 0.5
+done
+exit \$code
 EOF
   chmod +x "$cluster_dir/agent"
 }

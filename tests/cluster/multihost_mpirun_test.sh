@@ -8,7 +8,10 @@
 #  2. 4 ranks on 4 hosts (1 per host): the same losses;
 #  3. node1's link cut mid-run: every rank ends within heartbeat timeout + 5 s, those
 #     on node0 naming a rank on node1 and its host, those on node1 the lost service on
-#     node0; mpirun exits non-zero and no process is left on any host.
+#     node0; mpirun exits non-zero and no process is left on any host;
+#  4. node1 lost mid-run (its link down, then every process on it killed): the ranks
+#     on node0 end within heartbeat timeout + 5 s naming a rank on node1 and its host;
+#     mpirun exits non-zero and no process is left.
 # Prints the figures: each run's time, the bytes over node1's link, the seconds from
 # the cut to the last rank's end and to the last process's.
 # Usage: multihost_mpirun_test.sh SOURCE_DIR LOCKSTEP_TRAIN
@@ -96,53 +99,69 @@ four_seconds=$(seconds "$start" "$(now)")
 result4=$(compare_losses "$work/one.log" "$work/four.log" 3 1e-5) || { cat "$work/four.log"; fail "4 hosts against 1 process: $result4"; }
 say "4 hosts x 1 rank: $result4; ${four_seconds} s"
 
-# 3. node1's link cut mid-run (heartbeat timeout 3 s).
+# 3 and 4: a fault on node1 mid-run (heartbeat timeout 3 s), 2 hosts x 2 ranks.
+#   cut:  node1's link goes down; its processes live on, cut off.
+#   lose: node1 is lost as if its power failed: the link goes down first (so no
+#         FIN or RST leaves it), then every process on it is killed.
+# Every rank that can still run ends within heartbeat timeout + 5 s, those on node0
+# naming a rank on node1 and its host; no process is left on any host; mpirun fails.
 hb=3
-(code=0
- mpirun_on_node0 node0:2,node1:2 "$work/cut" "$work/cut.log" \
-   ",num_train_steps=100000,coordination.heartbeat_timeout_seconds=$hb" || code=$?
- echo "$code" > "$work/cut.rc") &
-runner=$!
-for _ in $(seq 1 600); do
-  [[ $(grep -c "^Step" "$work/cut.log" 2>/dev/null) -ge 18 ]] && break
-  [[ -e $work/cut.rc ]] && { cat "$work/cut.log"; fail "the job to cut ended early"; }
-  sleep 0.1
-done
-[[ $(grep -c "^Step" "$work/cut.log") -ge 18 ]] || fail "the job to cut did not reach step 20 in 60 s"
 trains() {  # the lockstep_train processes left on the cluster's hosts
   local h p
   for h in node0 node1; do
-    for p in $(cluster_pids "$h"); do [[ $(ps -o comm= -p "$p" 2>/dev/null) == lockstep_train ]] && echo "$p"; done
+    for p in $(cluster_pids "$h" 2>/dev/null); do [[ $(ps -o comm= -p "$p" 2>/dev/null) == lockstep_train ]] && echo "$p"; done
   done
   return 0
 }
-[[ $(trains | wc -l) -eq 4 ]] || fail "expected 4 ranks running before the cut"
-cut_at=$(now)
-cluster_cut node1
-ranks_end="" all_end=""
-for _ in $(seq 1 600); do
-  if [[ -z $ranks_end && -z $(trains) ]]; then ranks_end=$(seconds "$cut_at" "$(now)"); fi
-  if [[ -n $ranks_end ]]; then
-    left=$( (cluster_pids node0; cluster_pids node1) | { grep -vx -e "$(cat "$work/cluster/node0.pid")" \
-            -e "$(cat "$work/cluster/node1.pid")" || true; } | wc -l)
-    if [[ $left -eq 0 && -e $work/cut.rc ]]; then all_end=$(seconds "$cut_at" "$(now)"); break; fi
-  fi
-  sleep 0.1
-done
-wait "$runner" || true
-[[ -n $ranks_end ]] || fail "ranks still running 60 s after the cut: $(trains | tr '\n' ' ')"
-[[ -n $all_end ]] || { for h in node0 node1; do cluster_pids "$h" | xargs -r ps -o pid,cmd -p; done; fail "processes left 60 s after the cut"; }
-(( $(echo "$ranks_end <= $hb + 5" | bc) )) || fail "the ranks ended ${ranks_end} s after the cut, over $hb + 5 s"
-code=$(cat "$work/cut.rc")
-[[ $code -ne 0 ]] || fail "mpirun exited 0 after the cut"
-for r in 0 1; do
-  grep -qE "rank $r: stopped: rank [23] \(host node1, pid [0-9]+\) is dead: no heartbeat" "$work/cut/ranks/1/rank.$r/stderr" ||
-    { cat "$work/cut/ranks/1/rank.$r/stderr"; fail "rank $r (node0) did not name the rank and host it lost"; }
-done
+fault_leg() {  # fault_leg cut|lose: sets ranks_end, all_end, code
+  local kind=$1 out=$work/$1 runner fault_at left
+  (code=0
+   mpirun_on_node0 node0:2,node1:2 "$out" "$out.log" \
+     ",num_train_steps=100000,coordination.heartbeat_timeout_seconds=$hb" || code=$?
+   echo "$code" > "$out.rc") &
+  runner=$!
+  for _ in $(seq 1 600); do
+    [[ $(grep -c "^Step" "$out.log" 2>/dev/null) -ge 18 ]] && break
+    [[ -e $out.rc ]] && { cat "$out.log"; fail "$kind: the job ended early"; }
+    sleep 0.1
+  done
+  [[ $(grep -c "^Step" "$out.log") -ge 18 ]] || fail "$kind: the job did not reach step 20 in 60 s"
+  [[ $(trains | wc -l) -eq 4 ]] || fail "$kind: expected 4 ranks running before the fault"
+  fault_at=$(now)
+  cluster_cut node1
+  [[ $kind == lose ]] && cluster_kill_host node1
+  ranks_end="" all_end=""
+  for _ in $(seq 1 600); do
+    if [[ -z $ranks_end && -z $(trains) ]]; then ranks_end=$(seconds "$fault_at" "$(now)"); fi
+    if [[ -n $ranks_end ]]; then
+      left=$( (cluster_pids node0; cluster_pids node1) 2>/dev/null | { grep -vx -e "$(cat "$work/cluster/node0.pid")" \
+              -e "$(cat "$work/cluster/node1.pid")" || true; } | wc -l)
+      if [[ $left -eq 0 && -e $out.rc ]]; then all_end=$(seconds "$fault_at" "$(now)"); break; fi
+    fi
+    sleep 0.1
+  done
+  wait "$runner" || true
+  [[ -n $ranks_end ]] || fail "$kind: ranks still running 60 s after the fault: $(trains | tr '\n' ' ')"
+  [[ -n $all_end ]] || { for h in node0 node1; do cluster_pids "$h" | xargs -r ps -o pid,cmd -p; done
+                         fail "$kind: processes left 60 s after the fault"; }
+  (( $(echo "$ranks_end <= $hb + 5" | bc) )) || fail "$kind: the ranks ended ${ranks_end} s after the fault, over $hb + 5 s"
+  code=$(cat "$out.rc")
+  [[ $code -ne 0 ]] || fail "$kind: mpirun exited 0 after the fault"
+  for r in 0 1; do
+    grep -qE "rank $r: stopped: rank [23] \(host node1, pid [0-9]+\) is dead: no heartbeat" "$out/ranks/1/rank.$r/stderr" ||
+      { cat "$out/ranks/1/rank.$r/stderr"; fail "$kind: rank $r (node0) did not name the rank and host it lost"; }
+  done
+}
+fault_leg cut
 for r in 2 3; do
   grep -qE "rank $r: stopped: lost the coordination service at node0:29400" "$work/cut/ranks/1/rank.$r/stderr" ||
-    { cat "$work/cut/ranks/1/rank.$r/stderr"; fail "rank $r (node1) did not name the service it lost"; }
+    { cat "$work/cut/ranks/1/rank.$r/stderr"; fail "cut: rank $r (node1) did not name the service it lost"; }
 done
+cut_end=$ranks_end
 say "link cut: every rank ended ${ranks_end} s after the cut (heartbeat timeout $hb s), every process" \
     "${all_end} s after; mpirun exit $code; $(grep -ohE 'rank [23] \(host node1[^)]*\) is dead' "$work/cut/ranks/1/rank.0/stderr" | head -1)"
-echo "OK: several hosts: 2x2 (TLS) and 4x1 match 1 process; a cut link ends every rank in ${ranks_end} s"
+cluster_heal node1
+fault_leg lose
+say "host lost: the ranks on node0 ended ${ranks_end} s after node1 went (heartbeat timeout $hb s), every" \
+    "process ${all_end} s after; mpirun exit $code; $(grep -ohE 'rank [23] \(host node1[^)]*\) is dead' "$work/lose/ranks/1/rank.0/stderr" | head -1)"
+echo "OK: several hosts: 2x2 (TLS) and 4x1 match 1 process; a cut link ends every rank in ${cut_end} s, a lost host in ${ranks_end} s"

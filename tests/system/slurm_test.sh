@@ -31,11 +31,8 @@ for tool in munged munge slurmctld slurmd sbatch srun scontrol scancel squeue si
   command -v "$tool" >/dev/null || skip "$tool not found (install munge, slurm-wlm, slurm-client)"
 done
 [[ $(id -u) -eq 0 ]] || skip "slurmd needs root"
-plugin_dir=""
-for dir in /usr/lib/x86_64-linux-gnu/slurm-wlm /usr/lib/aarch64-linux-gnu/slurm-wlm /usr/lib64/slurm /usr/lib/slurm; do
-  [[ -e $dir/mpi_pmix.so ]] && { plugin_dir=$dir; break; }
-done
-[[ -n $plugin_dir ]] || skip "Slurm's mpi_pmix plugin not found"
+source "$source_dir/tests/system/slurm_helpers.sh"  # job_field, wait_done, slurm_*
+plugin_dir=$(slurm_plugin_dir) || skip "Slurm's mpi_pmix plugin not found"
 [[ -x $train ]] || { echo "FAIL: $train is not executable"; exit 1; }
 
 # A Slurm or launcher environment around this test must not reach its jobs.
@@ -98,60 +95,30 @@ print(" ".join(str(s.getsockname()[1]) for s in socks))' "$1"
 read -r ctld_port slurmd_port port_a port_b port_d < <(free_ports 5)
 
 # munge: a fresh key, its own socket.
-dd if=/dev/urandom of="$work/munge/munge.key" bs=1024 count=1 status=none
-chmod 400 "$work/munge/munge.key"
-socket=$work/run/munge.sock
-munged -F --key-file="$work/munge/munge.key" --socket="$socket" --pid-file="$work/run/munged.pid" \
-  --log-file="$work/log/munged.log" --seed-file="$work/munge/munged.seed" > "$work/log/munged.stdout.log" 2>&1 &
-pids+=($!)
-for _ in $(seq 1 50); do [[ -S $socket ]] && break; sleep 0.1; done
-munge -n -S "$socket" | unmunge -S "$socket" > /dev/null || fail "munged does not answer on $socket"
+started=0
+slurm_start_munged "$work" && started=1
+pids+=("$munged_pid")
+[[ $started -eq 1 ]] || fail "munged does not answer on $munge_socket"
 
 # Slurm: this host as the only node, 2 CPUs at least so that 2 tasks fit.
 node=$(hostname -s)
 cpus=$(nproc)
 [[ $cpus -ge 2 ]] || cpus=2
 export SLURM_CONF=$work/slurm.conf
-: > "$work/plugstack.conf"
-cat > "$SLURM_CONF" <<EOF
+{
+slurm_conf_common "$work" "$plugin_dir"
+cat <<EOF
 ClusterName=lockstep-test
 SlurmctldHost=$node(127.0.0.1)
 SlurmctldPort=$ctld_port
 SlurmdPort=$slurmd_port
-SlurmUser=root
-SlurmdUser=root
-AuthType=auth/munge
-CredType=cred/munge
-AuthInfo=socket=$socket,cred_expire=10
-PluginDir=$plugin_dir
-PlugStackConfig=$work/plugstack.conf
-StateSaveLocation=$work/state
 SlurmdSpoolDir=$work/spool
-SlurmctldPidFile=$work/run/slurmctld.pid
 SlurmdPidFile=$work/run/slurmd.pid
-SlurmctldLogFile=$work/log/slurmctld.log
 SlurmdLogFile=$work/log/slurmd.log
-SlurmctldDebug=info
-SlurmdDebug=info
-ProctrackType=proctrack/linuxproc
-TaskPlugin=task/none
-MpiDefault=none
-JobRequeue=1
-SelectType=select/cons_tres
-SelectTypeParameters=CR_Core
-SchedulerType=sched/builtin
-SchedulerParameters=sched_interval=2
-ReturnToService=2
-SlurmdParameters=config_overrides
-AccountingStorageType=accounting_storage/none
-JobAcctGatherType=jobacct_gather/none
-JobCompType=jobcomp/none
-MinJobAge=600
-KillWait=10
-InactiveLimit=0
 NodeName=$node NodeAddr=127.0.0.1 CPUs=$cpus State=UNKNOWN
 PartitionName=test Nodes=$node Default=YES MaxTime=INFINITE State=UP
 EOF
+} > "$SLURM_CONF"
 slurmctld -D -i -f "$SLURM_CONF" > "$work/log/slurmctld.stdout.log" 2>&1 &
 pids+=($!)
 slurmd -D -N "$node" -f "$SLURM_CONF" > "$work/log/slurmd.stdout.log" 2>&1 &
@@ -188,22 +155,6 @@ submit() {  # submit NAME PORT [SRUN_MPI]: the job's id
   sbatch --parsable --job-name="lockstep_$1" --nodes=1 --ntasks=2 --ntasks-per-node=2 --output="$work/jobs/$1.out" \
     --export=ALL,LOCKSTEP_COORDINATOR_PORT="$2",LOCKSTEP_SRUN_MPI="${3:-pmix}" "$source_dir/launch/slurm.sbatch" \
     -- "$train" --set="$flags,num_train_steps=$total,output_dir=$work/$1"
-}
-job_field() {  # job_field JOB FIELD: FIELD's value in scontrol show job
-  local out
-  out=$(scontrol show job "$1" 2>/dev/null) || true
-  if [[ $out =~ (^|[[:space:]])$2=([^[:space:]]*) ]]; then echo "${BASH_REMATCH[2]}"; fi
-}
-# wait_done JOB SECONDS: until the job has ended; s is its final state. Not in a
-# subshell, so that a signal to this script is handled within half a second.
-wait_done() {
-  local deadline=$(($(date +%s) + $2))
-  while :; do
-    s=$(job_field "$1" JobState)
-    case $s in COMPLETED|FAILED|CANCELLED|TIMEOUT|NODE_FAIL|OUT_OF_MEMORY|BOOT_FAIL|DEADLINE) return ;; esac
-    [[ $(date +%s) -lt $deadline ]] || { s="still ${s:-unknown} after $2 s"; return; }
-    sleep 0.5
-  done
 }
 lines() { cat "$@" | grep -E '^Step +[0-9]+: ' | grep -v -E 'seconds_per_step|examples_per_second|steps_per_second|data_wait_fraction'; }
 
