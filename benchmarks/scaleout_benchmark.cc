@@ -527,11 +527,8 @@ int RunCollectives(Communicator& comm, const Runtime& runtime) {
     options.install_signal_handlers = false;
     options.program = "scaleout_benchmark";
     env = JobEnvironment::Create(options, runtime);
-    // Loopback when every rank is on this host, else this host's name (each rank
-    // listens on the address its name resolves to).
     GlooOptions gloo_options;
-    const char* local_size = std::getenv("OMPI_COMM_WORLD_LOCAL_SIZE");
-    if (local_size == nullptr || std::atoi(local_size) != world) gloo_options.hostname = runtime.host;
+    gloo_options.hostname = GlooHostname(*env->coordination(), runtime.host);
     gloo = MakeGlooCommunicator(GlooStoreOverCoordination(*env->coordination(), "benchmark"), comm.rank(), world,
                                 gloo_options);
   }

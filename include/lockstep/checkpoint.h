@@ -217,6 +217,12 @@ void ConsolidateCheckpoint(const std::string& step_directory, const std::string&
 // Name of the step directory: step_00001200.
 std::string CheckpointDirName(int64_t step);
 
+// Opaque bytes (an optimizer's archive, a trainer's custom bytes, the summary
+// period) as a 1-D uint8 CPU tensor, as shards and in-memory snapshots hold them,
+// and back. TensorToBytes: CheckpointError for anything but a 1-D uint8 tensor.
+at::Tensor BytesToTensor(const std::string& bytes);
+std::string TensorToBytes(const at::Tensor& t);
+
 }  // namespace lockstep
 
 #endif  // LOCKSTEP_CHECKPOINT_H_

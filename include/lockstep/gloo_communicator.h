@@ -45,6 +45,12 @@ struct GlooStoreFunctions {
 // Through the coordination service's key-value store, under "lockstep/gloo/<name>/".
 GlooStoreFunctions GlooStoreOverCoordination(CoordinationClient& coordination, const std::string& name);
 
+// What GlooOptions::hostname should be for a rank on `this_host`: 127.0.0.1 when
+// every rank in the coordination client's roster is on that host, else
+// `this_host` itself (each rank binds what its name resolves to, which the other
+// hosts reach).
+std::string GlooHostname(const CoordinationClient& coordination, const std::string& this_host);
+
 struct GlooOptions {
   // The address this rank's Gloo device binds to and peers connect to:
   // 127.0.0.1 when every rank is on one host, else this host's name or address.

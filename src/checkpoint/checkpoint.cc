@@ -359,18 +359,6 @@ std::string FirstDifference(const std::string& saved, const std::string& now) {
   return "the texts agree, the fingerprints do not";
 }
 
-at::Tensor BytesTensor(const std::string& bytes) {
-  at::Tensor t = at::empty({static_cast<int64_t>(bytes.size())}, at::kByte);
-  if (!bytes.empty()) std::memcpy(t.data_ptr(), bytes.data(), bytes.size());
-  return t;
-}
-
-std::string TensorBytes(const at::Tensor& t) {
-  const at::Tensor bytes = t.to(at::kCPU).contiguous();
-  if (bytes.scalar_type() != at::kByte || bytes.dim() != 1) throw CheckpointError("bytes entry is not a uint8 vector");
-  return std::string(static_cast<const char*>(bytes.data_ptr()), static_cast<size_t>(bytes.numel()));
-}
-
 constexpr char kOptimizerPrefix[] = "optimizer/";
 constexpr char kCustomTensorPrefix[] = "custom/tensor/";
 constexpr char kCustomBytesPrefix[] = "custom/bytes/";
@@ -620,6 +608,18 @@ class CheckpointReader {
 
 }  // namespace
 
+at::Tensor BytesToTensor(const std::string& bytes) {
+  at::Tensor t = at::empty({static_cast<int64_t>(bytes.size())}, at::kByte);
+  if (!bytes.empty()) std::memcpy(t.data_ptr(), bytes.data(), bytes.size());
+  return t;
+}
+
+std::string TensorToBytes(const at::Tensor& t) {
+  const at::Tensor bytes = t.to(at::kCPU).contiguous();
+  if (bytes.scalar_type() != at::kByte || bytes.dim() != 1) throw CheckpointError("bytes entry is not a uint8 vector");
+  return std::string(static_cast<const char*>(bytes.data_ptr()), static_cast<size_t>(bytes.numel()));
+}
+
 std::string CheckpointDirName(int64_t step) { return absl::StrFormat("step_%08d", step); }
 
 CheckpointManager::CheckpointManager(CheckpointOptions options, int rank, int world_size,
@@ -769,7 +769,7 @@ void CheckpointManager::Save(const TrainState& state, const ShardExtras& extras,
     };
     writer.put_int = [&](const std::string& key, int64_t value) { job->values.insert(kOptimizerPrefix + key, value); };
     writer.put_bytes = [&](const std::string& key, const std::string& value) {
-      job->values.insert(kOptimizerPrefix + key, BytesTensor(value));
+      job->values.insert(kOptimizerPrefix + key, BytesToTensor(value));
     };
     if (!mesh_sharded) {
       FindOptimizerStateCodec(*state.optimizer)->Save(*state.optimizer, OptimizerParameters(state), writer);
@@ -888,7 +888,7 @@ void CheckpointManager::Save(const TrainState& state, const ShardExtras& extras,
   for (const auto& item : state.model->named_buffers()) put("model/" + item.key(), item.value(), false);
   // A trainer subclass's own state; copied now, like the buffers.
   for (const auto& [name, tensor] : extras.custom.tensors) put(kCustomTensorPrefix + name, tensor, false);
-  for (const auto& [name, bytes] : extras.custom.bytes) job->values.insert(kCustomBytesPrefix + name, BytesTensor(bytes));
+  for (const auto& [name, bytes] : extras.custom.bytes) job->values.insert(kCustomBytesPrefix + name, BytesToTensor(bytes));
   {
     at::Generator generator = at::detail::getDefaultCPUGenerator();
     std::lock_guard<std::mutex> lock(generator.mutex());
@@ -1261,7 +1261,7 @@ ShardExtras CheckpointManager::Restore(const FoundCheckpoint& found, TrainState&
       };
       optimizer_reader.integer = [&](const std::string& key) { return reader.Value(kOptimizerPrefix + key).toInt(); };
       optimizer_reader.bytes = [&](const std::string& key) {
-        return TensorBytes(reader.Whole(kOptimizerPrefix + key, at::Tensor()));
+        return TensorToBytes(reader.Whole(kOptimizerPrefix + key, at::Tensor()));
       };
       FindOptimizerStateCodec(*state.optimizer)->Restore(*state.optimizer, OptimizerParameters(state), optimizer_reader);
     } else {
@@ -1331,7 +1331,7 @@ ShardExtras CheckpointManager::Restore(const FoundCheckpoint& found, TrainState&
         extras.custom.tensors[key.substr(sizeof(kCustomTensorPrefix) - 1)] = InBounds(item.value().toTensor(), home, key);
       } else if (key.rfind(kCustomBytesPrefix, 0) == 0) {
         extras.custom.bytes[key.substr(sizeof(kCustomBytesPrefix) - 1)] =
-            TensorBytes(InBounds(item.value().toTensor(), home, key));
+            TensorToBytes(InBounds(item.value().toTensor(), home, key));
       }
     }
     return extras;

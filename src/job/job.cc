@@ -333,10 +333,7 @@ std::unique_ptr<JobEnvironment> JobEnvironment::Create(const JobEnvironmentOptio
       if (!on_gpu) throw Error("backend 'nccl' needs the model on a CUDA device, not " + env->device_);
     } else if (chosen == "gloo" && ft.enabled && CurrentEpoch(*env->client_) > 0) {
       // A replacement: the job runs in a later epoch, which has this rank again.
-      env->gloo_hostname_ = "127.0.0.1";
-      for (const PeerInfo& peer : env->client_->roster()) {
-        if (peer.host != runtime.host) env->gloo_hostname_ = runtime.host;
-      }
+      env->gloo_hostname_ = GlooHostname(*env->client_, runtime.host);
       env->joined_late_ = true;
       env->Reconfigure("joining a running job");
     } else if (chosen == "gloo") {
@@ -347,10 +344,7 @@ std::unique_ptr<JobEnvironment> JobEnvironment::Create(const JobEnvironmentOptio
       if (on_gpu) throw Error("backend 'gloo' takes CPU tensors; device " + env->device_ + " needs nccl");
       GlooOptions gloo;
       gloo.timeout = absl::ToChronoMilliseconds(options.collective_timeout);
-      // Loopback when every rank is on this host, else this host's address.
-      bool one_host = true;
-      for (const PeerInfo& peer : env->client_->roster()) one_host = one_host && peer.host == runtime.host;
-      gloo.hostname = one_host ? "127.0.0.1" : runtime.host;
+      gloo.hostname = GlooHostname(*env->client_, runtime.host);
       env->gloo_hostname_ = gloo.hostname;
       env->communicator_ =
           MakeGlooCommunicator(GlooStoreOverCoordination(*env->client_, "default"), runtime.rank,
@@ -696,16 +690,6 @@ void RestoreSnapshot(const StepSnapshot& s, BaseTrainer& trainer) {
 }
 
 double UnixSeconds(absl::Time t) { return absl::ToDoubleSeconds(t - absl::UnixEpoch()); }
-
-at::Tensor BytesToTensor(const std::string& bytes) {
-  at::Tensor t = at::empty({static_cast<int64_t>(bytes.size())}, at::kByte);
-  if (!bytes.empty()) std::memcpy(t.data_ptr(), bytes.data(), bytes.size());
-  return t;
-}
-std::string TensorToBytes(const at::Tensor& t) {
-  const at::Tensor c = t.contiguous();
-  return std::string(static_cast<const char*>(c.data_ptr()), static_cast<size_t>(c.numel()));
-}
 
 // A snapshot as bytes (libtorch's pickle format), for a joining rank.
 std::string SerializeSnapshot(const StepSnapshot& s) {

@@ -12,6 +12,13 @@
 
 namespace lockstep {
 
+std::string GlooHostname(const CoordinationClient& coordination, const std::string& this_host) {
+  for (const PeerInfo& peer : coordination.roster()) {
+    if (peer.host != this_host) return this_host;
+  }
+  return "127.0.0.1";
+}
+
 GlooStoreFunctions GlooStoreOverCoordination(CoordinationClient& coordination, const std::string& name) {
   const std::string prefix = absl::StrCat("lockstep/gloo/", name, "/");
   GlooStoreFunctions f;
