@@ -150,8 +150,10 @@ signal_running_job() {
 
 # --- SIGTERM / SIGUSR1 to a random rank at a random step, then resume ---
 preemption() {
-  local survived=0 lost=0 worst="" total=400
-  local flags="$common,num_train_steps=$total,model.hidden_units=256,checkpoint.every_steps=50"
+  # Long enough (about 10 s on 2 idle cores) that the signal, at most a second
+  # after the first step, finds the job still running.
+  local survived=0 lost=0 worst="" total=3000
+  local flags="$common,num_train_steps=$total,model.hidden_units=256,checkpoint.every_steps=250"
   for trial in $(seq 1 "$trials"); do
     local dir=$work/preempt.$trial ok=1 signal=TERM
     (( trial % 2 == 0 )) && signal=USR1
