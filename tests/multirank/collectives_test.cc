@@ -222,6 +222,10 @@ TEST_F(CollectivesTest, TimeoutAndAbortBreakTheCommunicator) {
                 ::testing::ThrowsMessage<CollectiveError>(::testing::HasSubstr("broken")));
   }
   comm_->Barrier();  // the others wait here, never joining rank 0's all-reduce
+  // Every rank closes that group before any makes the next one: otherwise a
+  // rank's peers could be closing their side of it while the next group connects.
+  lonely.reset();
+  comm_->Barrier();
   std::unique_ptr<Communicator> aborted = MakeWorld();
   aborted->Abort("a test said so");
   EXPECT_THAT([&] { aborted->Barrier(); },
