@@ -22,6 +22,16 @@
 // to none, say) is copied in and pointed back. Arm it only for the last
 // microbatch: earlier ones accumulate locally without communication.
 //
+// How a bucket travels is the comm hook's (lockstep/comm_hooks.h): plain
+// all-reduce without one, bf16/fp16 or PowerSGD compression with one. With
+// `hierarchical`, a job with several ranks on each of several hosts reduces
+// each bucket in three phases: a reduce-scatter among the ranks of a host
+// (shared memory with MPI), an all-reduce of each rank's slice with the ranks of
+// the same local index on the other hosts (so every local rank carries 1/L of
+// the traffic between hosts, striped), and an all-gather within the host. The
+// first phase runs when the bucket is launched, the second overlaps backward,
+// the third runs in Finish. A hook then runs on the slices, between hosts.
+//
 // Not thread-safe: one training thread (autograd runs CPU hooks on it).
 #ifndef LOCKSTEP_DATA_PARALLEL_H_
 #define LOCKSTEP_DATA_PARALLEL_H_
@@ -34,6 +44,7 @@
 #include <string>
 #include <vector>
 
+#include "lockstep/comm_hooks.h"
 #include "lockstep/communicator.h"
 
 namespace torch::nn {
@@ -52,11 +63,23 @@ struct DataParallelOptions {
   // all-gather; each DataParallel of a job needs its own name. Borrowed.
   CoordinationClient* coordination = nullptr;
   std::string name = "model";
+  // How each bucket travels (lockstep/comm_hooks.h); empty: a float32 all-reduce.
+  CommHookFactory comm_hook;
+  // Hierarchical all-reduce (see above) when the ranks are on more than one host
+  // with more than one rank on each, the same number everywhere; otherwise flat,
+  // and description() says why.
+  bool hierarchical = false;
+  // For the hierarchy: consecutive ranks, this many per host. 0: the ranks that
+  // report the same host name (gethostname) share a host.
+  int ranks_per_host = 0;
 };
 
 class GradientBucketer {
  public:
-  // `communicator` is borrowed and must outlive the bucketer. Not owned.
+  // `communicator` is borrowed and must outlive the bucketer. Not owned. A
+  // collective (buffers, the hierarchy's groups). Errors: InvalidArgumentError
+  // for a hierarchy that cannot be built (ranks_per_host not dividing the world,
+  // a hook that needs parameter shapes), those of the collectives.
   GradientBucketer(Communicator* communicator, std::vector<at::Tensor> parameters, const DataParallelOptions& options);
   ~GradientBucketer();
   GradientBucketer(const GradientBucketer&) = delete;
@@ -76,6 +99,8 @@ class GradientBucketer {
   // all-reduces, summed since construction: the communication that backward did
   // not hide. Two clock reads per bucket.
   double wait_seconds() const;
+  // One line for logs: the hook and the hierarchy, or why there is none.
+  const std::string& description() const;
 
  private:
   struct State;

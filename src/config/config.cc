@@ -165,7 +165,7 @@ std::string ResumeRelevantConfigText(const config::TrainerConfig& config) {
   for (const char* field : {"output_dir", "num_train_steps", "eval_every_steps", "summary_every_steps", "progress", "progress_updates",
                             "weight_metrics", "num_threads", "backend", "device", "bucket_mb",
                             "collective_timeout_seconds", "coordination", "checkpoint",
-                            "partitioning", "fault_tolerance"}) {
+                            "partitioning", "fault_tolerance", "communication"}) {
     const pb::FieldDescriptor* descriptor = c.GetDescriptor()->FindFieldByName(field);
     if (descriptor != nullptr) c.GetReflection()->ClearField(&c, descriptor);
   }
@@ -297,6 +297,29 @@ absl::Status ValidateConfig(const config::TrainerConfig& c, int world_size) {
   check.Require(e.rtol() >= 0, "early_stopping.rtol", "must be >= 0", e.rtol());
   check.Require(c.collective_timeout_seconds() > 0, "collective_timeout_seconds", "must be > 0",
                 c.collective_timeout_seconds());
+  const auto& comm = c.communication();
+  check.Require(comm.hook() == "none" || comm.hook() == "bf16" || comm.hook() == "fp16" || comm.hook() == "powersgd",
+                "communication.hook", "must be one of none, bf16, fp16, powersgd", comm.hook());
+  check.Require(comm.powersgd_rank() >= 1, "communication.powersgd_rank", "must be >= 1", comm.powersgd_rank());
+  check.Require(comm.powersgd_start_step() >= 0, "communication.powersgd_start_step", "must be >= 0",
+                comm.powersgd_start_step());
+  check.Require(comm.ranks_per_host() >= 0, "communication.ranks_per_host", "must be >= 0 (0: by host name)",
+                comm.ranks_per_host());
+  check.Require(comm.ranks_per_host() <= 0 || world_size % comm.ranks_per_host() == 0, "communication.ranks_per_host",
+                absl::StrCat("must divide the world size ", world_size), comm.ranks_per_host());
+  const bool custom_comm = comm.hook() != "none" || comm.hierarchical();
+  check.Require(!custom_comm || strategy == "replicated", "partitioning.strategy",
+                "must be replicated with a communication hook or hierarchical all-reduce (the sharded strategies "
+                "reduce-scatter their gradients)",
+                strategy);
+  check.Require(!comm.hierarchical() || c.partitioning().mesh().model() <= 1, "communication.hierarchical",
+                "must be false with a model axis above 1 (not supported yet)", comm.hierarchical());
+  check.Require(!comm.hierarchical() || comm.hook() != "powersgd", "communication.hierarchical",
+                "must be false with the powersgd hook (it needs whole buckets; the hierarchy sends slices)",
+                comm.hierarchical());
+  check.Require(!custom_comm || !c.fault_tolerance().enabled(), "fault_tolerance.enabled",
+                "must be false with a communication hook or hierarchical all-reduce (not supported yet)",
+                c.fault_tolerance().enabled());
   if (c.fault_tolerance().enabled()) {
     const auto& f = c.fault_tolerance();
     check.Require(f.min_ranks() >= 1 && f.min_ranks() <= world_size, "fault_tolerance.min_ranks",

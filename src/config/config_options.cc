@@ -9,6 +9,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
 #include "lockstep/actions.h"
+#include "lockstep/comm_hooks.h"
 #include "lockstep/config.h"
 #include "lockstep/hashing.h"
 #include "lockstep/summary_writers.h"
@@ -21,7 +22,8 @@ JobEnvironmentOptions ToJobEnvironmentOptions(const config::TrainerConfig& cfg) 
   o.backend = cfg.backend();
   o.collective_timeout = absl::Seconds(cfg.collective_timeout_seconds());
   // Split groups smaller than the world run side by side (DeviceMesh).
-  o.mpi_thread_multiple = cfg.partitioning().mesh().model() > 1;
+  // A mesh and the hierarchy run split communicators side by side.
+  o.mpi_thread_multiple = cfg.partitioning().mesh().model() > 1 || cfg.communication().hierarchical();
   const config::CoordinationConfig& c = cfg.coordination();
   o.coordination.mode = c.mode();
   o.coordination.address = c.address();
@@ -75,6 +77,14 @@ TrainerOptions ToTrainerOptions(const config::TrainerConfig& cfg) {
   o.data_parallel.bucket_bytes = static_cast<size_t>(cfg.bucket_mb() * (1 << 20));
   o.data_parallel.collective.timeout =
       std::chrono::milliseconds(static_cast<int64_t>(cfg.collective_timeout_seconds() * 1000));
+  const config::CommunicationConfig& comm = cfg.communication();
+  PowerSgdOptions powersgd;
+  powersgd.rank = comm.powersgd_rank();
+  powersgd.start_step = comm.powersgd_start_step();
+  powersgd.seed = cfg.seed();
+  o.data_parallel.comm_hook = MakeCommHook(comm.hook(), powersgd);
+  o.data_parallel.hierarchical = comm.hierarchical();
+  o.data_parallel.ranks_per_host = comm.ranks_per_host();
   o.partitioning = ParsePartitioningStrategy(cfg.partitioning().strategy()).value_or(PartitioningStrategy::kReplicated);
   // Ranks must agree on the model, not on how they split it (a resumed run may
   // choose another strategy): the trainer's start-up check leaves it out.

@@ -133,6 +133,9 @@ int Run(const config::TrainerConfig& cfg, const Runtime& runtime, std::unique_pt
     loss = gpt != nullptr ? LanguageModelLoss(gpt->vocab_axis(), gpt->vocab_begin()) : LanguageModelLoss();
   }
   Trainer trainer(state, model.apply, loss, options, runtime);
+  if (DataParallel* replicated = trainer.data_parallel(); replicated != nullptr && runtime.is_chief()) {
+    std::printf("Communication: %s\n", replicated->bucketer().description().c_str());
+  }
   if (const ShardedDataParallel* sharded = trainer.sharded_data_parallel(); sharded != nullptr && runtime.is_chief()) {
     std::printf("Partitioning: %s over %d data rank(s): %d unit(s) of %" PRId64
                 " parameter elements, each rank updating 1/%d of them%s\n",

@@ -4,7 +4,12 @@
 #include <ATen/core/grad_mode.h>
 #include <torch/nn/module.h>
 
+#include <unistd.h>
+
+#include <algorithm>
+#include <array>
 #include <chrono>
+#include <map>
 #include <sstream>
 
 #include "absl/strings/numbers.h"
@@ -22,11 +27,19 @@ namespace lockstep {
 struct GradientBucketer::State {
   struct Bucket {
     std::vector<size_t> params;
-    at::Tensor flat;
+    at::Tensor flat;   // padded to a multiple of the host's ranks with a hierarchy
+    at::Tensor slice;  // hierarchy: this rank's reduced slice of flat
     std::shared_ptr<Work> work;
   };
 
   Communicator* communicator = nullptr;  // Not owned.
+  std::unique_ptr<GradientCommHook> hook;  // null: plain all-reduce
+  // The hierarchy's groups, or null (flat): the ranks of this host, and the
+  // ranks of this local index on every host.
+  std::unique_ptr<Communicator> local;
+  std::unique_ptr<Communicator> cross;
+  std::string description;
+  int64_t steps = 0;  // synchronised steps finished
   CollectiveOptions collective;
   std::vector<at::Tensor> parameters;
   std::vector<size_t> bucket_of;  // parameter index -> bucket
@@ -66,11 +79,17 @@ struct GradientBucketer::State {
     for (Bucket& bucket : buckets) {
       int64_t numel = 0;
       for (size_t p : bucket.params) numel += parameters[p].numel();
-      // Where the communicator reduces fastest (shared memory for MPI on one host).
-      bucket.flat = communicator
-                        ->AllocateCollectiveBuffer(numel, parameters[bucket.params.front()].options().requires_grad(false),
-                                                   collective)
-                        .zero_();
+      const at::TensorOptions options = parameters[bucket.params.front()].options().requires_grad(false);
+      if (local != nullptr) {
+        // Reduce-scattered within the host: a multiple of its ranks, zero-padded.
+        const int64_t ranks = local->world_size();
+        const int64_t slice = (numel + ranks - 1) / ranks;
+        bucket.flat = local->AllocateCollectiveBuffer(slice * ranks, options, collective).zero_();
+        bucket.slice = at::zeros({slice}, options);
+      } else {
+        // Where the communicator reduces fastest (shared memory for MPI on one host).
+        bucket.flat = communicator->AllocateCollectiveBuffer(numel, options, collective).zero_();
+      }
       int64_t offset = 0;
       for (size_t p : bucket.params) {
         at::Tensor& param = parameters[p];
@@ -103,6 +122,7 @@ struct GradientBucketer::State {
     std::vector<size_t> agreed(ready_order.size());
     for (size_t i = 0; i < agreed.size(); ++i) agreed[i] = static_cast<size_t>(order[i].item<int64_t>());
     Layout(agreed);
+    if (hook != nullptr) hook->OnLayoutChanged();
   }
 
   void Launch(size_t b) {
@@ -110,7 +130,83 @@ struct GradientBucketer::State {
     // Normally every gradient already is its view (Arm made it so). Not when a
     // hook or the user replaced one since: its value is copied in.
     for (size_t p : bucket.params) internal::CopyGradInto(parameters[p], views[p]);
-    bucket.work = communicator->AllReduceAsync(bucket.flat, ReduceOp::kSum, collective);
+    GradientBucket unit;
+    unit.index = static_cast<int>(b);
+    unit.step = steps;
+    if (local == nullptr) {
+      unit.buffer = bucket.flat;
+      for (size_t p : bucket.params) unit.gradients.push_back(views[p]);
+      bucket.work = hook != nullptr ? hook->Run(*communicator, unit, collective)
+                                    : communicator->AllReduceAsync(bucket.flat, ReduceOp::kSum, collective);
+      return;
+    }
+    // Hierarchy: the host's sum of this rank's slice now (shared memory), the
+    // slices between hosts while backward goes on, the host's slices back to
+    // every rank of it when Finish waits.
+    local->ReduceScatter(bucket.slice, bucket.flat, ReduceOp::kSum, collective);
+    unit.buffer = bucket.slice;
+    std::shared_ptr<Work> between = hook != nullptr ? hook->Run(*cross, unit, collective)
+                                                    : cross->AllReduceAsync(bucket.slice, ReduceOp::kSum, collective);
+    Communicator* host = local.get();
+    bucket.work = Then(std::move(between), [host, flat = bucket.flat, slice = bucket.slice, options = collective] {
+      host->AllGather(flat, slice, options);
+    });
+  }
+
+  // Builds the hierarchy's groups when the ranks are on several hosts with
+  // several ranks on each (the same number); otherwise says why not.
+  void SetUpHierarchy(int ranks_per_host) {
+    const int world = communicator->world_size();
+    const int rank = communicator->rank();
+    std::vector<int> host_of(world);
+    if (ranks_per_host > 0) {
+      if (world % ranks_per_host != 0) {
+        throw InvalidArgumentError(absl::StrCat("hierarchical all-reduce: ranks_per_host ", ranks_per_host,
+                                                " does not divide the world of ", world, " ranks"));
+      }
+      for (int r = 0; r < world; ++r) host_of[r] = r / ranks_per_host;
+    } else {
+      // Every rank's host name, as a hash, from every rank.
+      std::array<char, 256> name{};
+      if (gethostname(name.data(), name.size() - 1) != 0) name[0] = '\0';
+      const at::TensorOptions options =
+          parameters.empty() ? at::TensorOptions(at::kLong) : parameters.front().options().dtype(at::kLong);
+      at::Tensor all = at::empty({world}, options);
+      communicator->AllGather(all, at::full({1}, static_cast<int64_t>(StableHash(name.data())), options), collective);
+      const at::Tensor hashes = all.cpu();
+      std::map<int64_t, int> hosts;  // hash -> host index, in order of first rank
+      for (int r = 0; r < world; ++r) {
+        const int64_t h = hashes.data_ptr<int64_t>()[r];
+        host_of[r] = hosts.emplace(h, static_cast<int>(hosts.size())).first->second;
+      }
+    }
+    std::vector<int> sizes;
+    std::vector<int> local_index(world);
+    for (int r = 0; r < world; ++r) {
+      if (static_cast<size_t>(host_of[r]) >= sizes.size()) sizes.resize(host_of[r] + 1, 0);
+      local_index[r] = sizes[host_of[r]]++;
+    }
+    const int hosts = static_cast<int>(sizes.size());
+    const bool even = std::all_of(sizes.begin(), sizes.end(), [&](int n) { return n == sizes.front(); });
+    if (hosts < 2 || sizes.front() < 2 || !even) {
+      description = absl::StrCat(
+          "hierarchical all-reduce off: ",
+          hosts < 2 ? "every rank is on one host"
+                    : (!even ? absl::StrCat("the hosts have different numbers of ranks (", absl::StrJoin(sizes, ", "), ")")
+                             : "one rank per host"),
+          "; flat all-reduce");
+      return;
+    }
+    if (hook != nullptr && hook->needs_parameter_shapes()) {
+      throw InvalidArgumentError(absl::StrCat("hierarchical all-reduce: the ", hook->name(),
+                                              " hook needs whole buckets, and the hierarchy reduces slices of them "
+                                              "between hosts; turn one of them off"));
+    }
+    local = communicator->Split(host_of[rank], rank, collective);
+    cross = communicator->Split(local_index[rank], rank, collective);
+    description = absl::StrCat("hierarchical all-reduce: ", hosts, " hosts x ", sizes.front(),
+                               " ranks (reduce-scatter in the host, all-reduce of slices between hosts, all-gather "
+                               "in the host)");
   }
 };
 
@@ -125,6 +221,11 @@ GradientBucketer::GradientBucketer(Communicator* communicator, std::vector<at::T
   s.bucket_of.assign(s.parameters.size(), 0);
   s.views.resize(s.parameters.size());
   s.bucket_bytes = options.bucket_bytes;
+  if (options.comm_hook) s.hook = options.comm_hook();
+  if (options.hierarchical && communicator->world_size() > 1) s.SetUpHierarchy(options.ranks_per_host);
+  s.description = absl::StrCat("gradient buckets: ", s.hook != nullptr ? s.hook->name() : "float32",
+                               s.hook != nullptr ? " hook; " : " all-reduce; ",
+                               s.description.empty() ? "flat" : s.description);
   State* state = &s;  // the readiness is the state's, so it never outlives it
   s.readiness = std::make_unique<internal::GradientReadiness>(
       s.parameters, [state](size_t b) { state->Launch(b); },
@@ -166,12 +267,14 @@ void GradientBucketer::Finish() {
       if (!internal::GradIs(s.parameters[p], s.views[p])) s.parameters[p].mutable_grad() = s.views[p];
     }
   }
+  ++s.steps;
   if (!s.rebuilt) s.RebuildFromReadyOrder();
 }
 
 const std::vector<std::vector<size_t>>& GradientBucketer::buckets() const { return state_->layout; }
 int GradientBucketer::launched_during_backward() const { return state_->readiness->launched_during_backward(); }
 double GradientBucketer::wait_seconds() const { return state_->wait_seconds; }
+const std::string& GradientBucketer::description() const { return state_->description; }
 
 namespace {
 

@@ -1,0 +1,240 @@
+// Gradient communication hooks and the hierarchical all-reduce under mpirun -np 2
+// and 4: what each hook leaves in a bucket against the sums computed here, the
+// replicas staying identical when they train with a hook, and the hierarchy
+// (ranks_per_host 2 at 4 ranks) training as the flat all-reduce does.
+#include <ATen/ATen.h>
+#include <ATen/CPUGeneratorImpl.h>
+#include <gmock/gmock.h>
+#include <gtest/gtest.h>
+
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "absl/strings/str_cat.h"
+#include "lockstep/comm_hooks.h"
+#include "lockstep/data_parallel.h"
+#include "lockstep/errors.h"
+#include "lockstep/mpi_communicator.h"
+#include "lockstep/trainer.h"
+#include "tests/testing/tiny_problem.h"
+
+namespace lockstep {
+namespace {
+
+using testing::MaxRelativeDifference;
+using testing::Snapshot;
+using testing::TinyDataset;
+using testing::TinyModel;
+using ::testing::HasSubstr;
+
+class CommHooksTest : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    MpiOptions options;
+    options.thread_multiple = true;  // the hierarchy's groups run side by side
+    comm_ = MakeMpiCommunicator(options);
+    rank_ = comm_->rank();
+    size_ = comm_->world_size();
+    ASSERT_GE(size_, 2) << "run under mpirun with at least 2 ranks";
+  }
+  std::unique_ptr<Communicator> comm_;
+  int rank_ = 0;
+  int size_ = 1;
+};
+
+// Rank r's values: not representable in 16 bits, different on every rank.
+at::Tensor RankValues(int rank, int64_t n) {
+  return at::linspace(-3.0, 5.0, n, at::kFloat) * (1.0 + 0.37 * rank) + 0.001 * rank;
+}
+
+TEST_F(CommHooksTest, HalfPrecisionHooksSumTheRoundedValuesInFloat32InRankOrder) {
+  for (at::ScalarType dtype : {at::kBFloat16, at::kHalf}) {
+    SCOPED_TRACE(at::toString(dtype));
+    HalfPrecisionHook hook(dtype);
+    GradientBucket bucket;
+    bucket.buffer = RankValues(rank_, 1001);
+    hook.Run(*comm_, bucket, {})->Wait();
+    at::Tensor expected = RankValues(0, 1001).to(dtype).to(at::kFloat);
+    for (int r = 1; r < size_; ++r) expected.add_(RankValues(r, 1001).to(dtype).to(at::kFloat));
+    EXPECT_TRUE(at::equal(bucket.buffer, expected));
+    // Not the float32 sum: the values did travel in 16 bits.
+    at::Tensor exact = at::zeros({1001});
+    for (int r = 0; r < size_; ++r) exact.add_(RankValues(r, 1001));
+    EXPECT_FALSE(at::equal(bucket.buffer, exact));
+    EXPECT_LE((bucket.buffer - exact).abs().max().item<double>(), size_ * 5.0 * (dtype == at::kHalf ? 1e-3 : 8e-3));
+  }
+}
+
+// A bucket of one 40 x 30 matrix and one bias, as the bucketer hands it over.
+GradientBucket MatrixBucket(const at::Tensor& matrix, const at::Tensor& bias) {
+  GradientBucket bucket;
+  bucket.buffer = at::cat({matrix.reshape({-1}), bias});
+  bucket.gradients = {bucket.buffer.narrow(0, 0, matrix.numel()).view(matrix.sizes()),
+                      bucket.buffer.narrow(0, matrix.numel(), bias.numel())};
+  return bucket;
+}
+
+TEST_F(CommHooksTest, PowerSgdIsExactWhenTheSumHasLowRankAndAllReducesUntilItsStartStep) {
+  PowerSgdOptions options;
+  options.rank = size_;  // the sum of `size_` rank-1 matrices has rank <= size_
+  options.start_step = 1;
+  PowerSgdHook hook(options);
+  const auto u = [](int r) { return at::linspace(0.5, 1.5 + r, 40, at::kFloat).unsqueeze(1); };
+  const auto v = [](int r) { return at::cos(at::arange(30, at::kFloat) * (0.3 + r)).unsqueeze(0); };
+  const auto bias = [](int r) { return at::full({30}, 0.25f * (r + 1)); };
+  at::Tensor sum = at::zeros({40, 30});
+  at::Tensor bias_sum = at::zeros({30});
+  for (int r = 0; r < size_; ++r) {
+    sum.add_(at::mm(u(r), v(r)));
+    bias_sum.add_(bias(r));
+  }
+  for (int64_t step : {0, 1, 2}) {
+    SCOPED_TRACE(step);
+    GradientBucket bucket = MatrixBucket(at::mm(u(rank_), v(rank_)), bias(rank_));
+    bucket.step = step;
+    hook.Run(*comm_, bucket, {})->Wait();
+    // Step 0: a plain all-reduce; then rank size_ factors that span the sum's columns.
+    EXPECT_LE((bucket.gradients[0] - sum).abs().max().item<double>(), 1e-4 * sum.abs().max().item<double>());
+    EXPECT_TRUE(at::allclose(bucket.gradients[1], bias_sum));
+  }
+}
+
+TEST_F(CommHooksTest, PowerSgdFeedsBackWhatItsApproximationMissed) {
+  PowerSgdOptions options;
+  options.rank = 1;
+  options.start_step = 0;
+  PowerSgdHook hook(options);
+  // A full-rank sum that rank 1 cannot hold.
+  at::Generator generator = at::make_generator<at::CPUGeneratorImpl>(1234 + rank_);
+  const at::Tensor mine = at::randn({40, 30}, generator);
+  at::Tensor sum = mine.clone();
+  comm_->AllReduce(sum, ReduceOp::kSum);
+  GradientBucket first = MatrixBucket(mine, at::zeros({30}));
+  hook.Run(*comm_, first, {})->Wait();
+  const at::Tensor missed = sum - first.gradients[0];
+  ASSERT_GT(missed.norm().item<double>(), 0.1 * sum.norm().item<double>());
+  // With no new gradient, the next step sends only the errors: the ranks' sum of
+  // them is what the first approximation missed, and it is approximated in turn.
+  GradientBucket second = MatrixBucket(at::zeros({40, 30}), at::zeros({30}));
+  second.step = 1;
+  hook.Run(*comm_, second, {})->Wait();
+  EXPECT_GT(second.gradients[0].norm().item<double>(), 0.1 * missed.norm().item<double>());
+  EXPECT_LT((missed - second.gradients[0]).norm().item<double>(), missed.norm().item<double>());
+}
+
+TEST_F(CommHooksTest, UnknownHooksAndBadOptionsAreErrors) {
+  EXPECT_THAT([] { MakeCommHook("zip"); }, ::testing::ThrowsMessage<InvalidArgumentError>(HasSubstr(
+                                               "unknown gradient communication hook 'zip' (choose none, allreduce, "
+                                               "bf16, fp16 or powersgd)")));
+  PowerSgdOptions bad;
+  bad.rank = 0;
+  EXPECT_THAT([&] { MakeCommHook("powersgd", bad); },
+              ::testing::ThrowsMessage<InvalidArgumentError>(HasSubstr("PowerSGD: rank must be >= 1, got 0")));
+  EXPECT_FALSE(MakeCommHook("none"));
+  EXPECT_THROW(HalfPrecisionHook(at::kFloat), InvalidArgumentError);
+}
+
+struct Trained {
+  std::vector<at::Tensor> params;
+  std::string description;
+};
+
+constexpr int64_t kGlobalBatch = 32;
+
+Trained Train(Communicator* comm, int rank, int world, const DataParallelOptions& data_parallel, int steps = 4) {
+  BuiltModel model = TinyModel(5);
+  OptimizerOptions sgd;
+  sgd.learning_rate = 0.1;
+  TrainState state = MakeTrainState(model.module, MakeOptimizerFactory(sgd));
+  TrainerOptions options;
+  options.communicator = comm;
+  options.data_parallel = data_parallel;
+  Trainer trainer(state, model.apply, CrossEntropyLoss(), options);
+  ShardingOptions sharding;
+  sharding.global_batch_size = kGlobalBatch;
+  sharding.rank = rank;
+  sharding.world_size = world;
+  sharding.seed = 3;
+  ShardedBatchIterator data(TinyDataset(96), sharding);
+  trainer.Train(data, steps);
+  Trained result;
+  result.params = Snapshot(*state.model);
+  if (DataParallel* dp = trainer.data_parallel()) result.description = dp->bucketer().description();
+  return result;
+}
+
+// Rank 0's parameters, broadcast, against this rank's: bit for bit.
+void ExpectReplicasIdentical(Communicator& comm, const std::vector<at::Tensor>& params) {
+  for (const at::Tensor& p : params) {
+    at::Tensor theirs = p.clone();
+    comm.Broadcast(theirs, 0);
+    EXPECT_TRUE(at::equal(theirs, p));
+  }
+}
+
+TEST_F(CommHooksTest, ReplicasStayIdenticalUnderEveryHookAndTrainCloseToFloat32) {
+  DataParallelOptions plain;
+  plain.bucket_bytes = 2048;  // several buckets
+  const Trained reference = Train(comm_.get(), rank_, size_, plain);
+  EXPECT_THAT(reference.description, HasSubstr("float32 all-reduce; flat"));
+  for (const std::string name : {"bf16", "fp16", "powersgd"}) {
+    SCOPED_TRACE(name);
+    PowerSgdOptions powersgd;
+    powersgd.start_step = 1;
+    DataParallelOptions options = plain;
+    options.comm_hook = MakeCommHook(name, powersgd);
+    const Trained ours = Train(comm_.get(), rank_, size_, options);
+    EXPECT_THAT(ours.description, HasSubstr(name));
+    ExpectReplicasIdentical(*comm_, ours.params);
+    const double difference = MaxRelativeDifference(ours.params, reference.params);
+    EXPECT_GT(difference, 0.0) << "the hook changed nothing";
+    EXPECT_LT(difference, name == "powersgd" ? 0.5 : 0.05);
+  }
+}
+
+TEST_F(CommHooksTest, HierarchicalAllReduceTrainsAsTheFlatOne) {
+  DataParallelOptions flat;
+  flat.bucket_bytes = 2048;
+  const Trained reference = Train(comm_.get(), rank_, size_, flat);
+  DataParallelOptions hierarchical = flat;
+  hierarchical.hierarchical = true;
+  hierarchical.ranks_per_host = 2;
+  const Trained ours = Train(comm_.get(), rank_, size_, hierarchical);
+  ExpectReplicasIdentical(*comm_, ours.params);
+  EXPECT_LE(MaxRelativeDifference(ours.params, reference.params), 1e-5);
+  if (size_ % 4 == 0) {
+    EXPECT_THAT(ours.description, HasSubstr(absl::StrCat("hierarchical all-reduce: ", size_ / 2, " hosts x 2 ranks")));
+    // bf16 between the hosts, over the hierarchy.
+    hierarchical.comm_hook = MakeCommHook("bf16");
+    const Trained compressed = Train(comm_.get(), rank_, size_, hierarchical);
+    ExpectReplicasIdentical(*comm_, compressed.params);
+    EXPECT_LT(MaxRelativeDifference(compressed.params, reference.params), 0.05);
+    EXPECT_THAT(compressed.description, HasSubstr("bf16 hook; hierarchical all-reduce"));
+  } else {
+    EXPECT_THAT(ours.description, HasSubstr("hierarchical all-reduce off: every rank is on one host"));
+  }
+  // By host name: every rank here is on this host.
+  hierarchical.comm_hook = {};
+  hierarchical.ranks_per_host = 0;
+  EXPECT_THAT(Train(comm_.get(), rank_, size_, hierarchical, 1).description,
+              HasSubstr("hierarchical all-reduce off: every rank is on one host"));
+}
+
+TEST_F(CommHooksTest, TheHierarchyRefusesPowerSgdAndRanksPerHostThatDoNotDivideTheWorld) {
+  BuiltModel model = TinyModel(1);
+  DataParallelOptions options;
+  options.hierarchical = true;
+  options.ranks_per_host = size_ + 1;
+  EXPECT_THAT([&] { GradientBucketer(comm_.get(), model.module->parameters(), options); },
+              ::testing::ThrowsMessage<InvalidArgumentError>(HasSubstr("does not divide the world")));
+  if (size_ % 4 == 0) {
+    options.ranks_per_host = 2;
+    options.comm_hook = MakeCommHook("powersgd");
+    EXPECT_THAT([&] { GradientBucketer(comm_.get(), model.module->parameters(), options); },
+                ::testing::ThrowsMessage<InvalidArgumentError>(HasSubstr("hook needs whole buckets")));
+  }
+}
+
+}  // namespace
+}  // namespace lockstep
