@@ -8,6 +8,8 @@
 #   ./dev.sh test  [ctest flags]           the whole test suite
 #   ./dev.sh bench [benchmark flags]       Trainer vs hand-written step benchmark
 #   ./dev.sh scaleout [flags]              scale-out suite vs PyTorch DDP (benchmarks/scaleout.sh --help)
+#   ./dev.sh slow-network                  hooks and the hierarchy vs DDP on rate-limited namespace hosts
+#                                          (benchmarks/slow_network.sh; root)
 #   ./dev.sh build                         install and build only
 #   ./dev.sh asan  [ctest flags]           unit and multi-rank tests under AddressSanitizer + UBSan (build-asan/)
 #   ./dev.sh tsan  [ctest flags]           the same under ThreadSanitizer (build-tsan/)
@@ -82,6 +84,9 @@ case "$command" in
     fi
     exec launch/mpirun.sh -n "${LOCKSTEP_RANKS:-2}" -- \
       "$BUILD_DIR/lockstep_train" --config=configs/kjv_gpt.textproto "$@" ;;  # data.token_dir: build/data/kjv
+  slow-network)
+    build
+    exec benchmarks/slow_network.sh "$BUILD_DIR" ;;
   test)
     build
     exec ctest --test-dir "$BUILD_DIR" --output-on-failure --timeout 900 -j 2 "$@" ;;

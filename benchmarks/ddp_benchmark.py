@@ -76,6 +76,15 @@ def parse_args(argv=None):
                    help="skip the nosync phase (only the sync step time is wanted)")
     p.add_argument("--bind", choices=["core", "none"], default="core",
                    help="core: rank r on core r, as mpirun binds Lockstep's ranks; none: no affinity")
+    p.add_argument("--hook", choices=["none", "bf16", "fp16", "powersgd"], default="none",
+                   help="DDP communication hook: default_hooks.bf16/fp16_compress_hook or powerSGD_hook")
+    p.add_argument("--powersgd-rank", type=int, default=4)
+    p.add_argument("--powersgd-start", type=int, default=2, help="PowerSGD's start_powerSGD_iter")
+    p.add_argument("--rank", type=int, default=None,
+                   help="run only this rank, in this process (the ranks started elsewhere, on other hosts); "
+                        "with --init-method and --local-rank")
+    p.add_argument("--local-rank", type=int, default=0, help="with --rank: this rank's index on its host (binding)")
+    p.add_argument("--init-method", default=None, help="with --rank: tcp://HOST:PORT of rank 0")
     p.add_argument("--process-settings", choices=["pytorch", "lockstep"], default="pytorch",
                    help="pytorch: PyTorch as shipped plus the thread settings; lockstep: also the glibc malloc "
                         "settings and denormal flushing of Lockstep's ConfigureTorchForTraining")
@@ -126,12 +135,14 @@ def worker(rank, args, port, queue):
     import torch.nn.functional as F
 
     cores = os.cpu_count() or 1
-    if args.bind == "core" and args.ranks * args.threads <= cores:
-        os.sched_setaffinity(0, set(range(rank * args.threads, (rank + 1) * args.threads)))
+    local = rank if args.rank is None else args.local_rank
+    if args.bind == "core" and (local + 1) * args.threads <= cores and (args.rank is not None or args.ranks * args.threads <= cores):
+        os.sched_setaffinity(0, set(range(local * args.threads, (local + 1) * args.threads)))
     torch.set_num_threads(args.threads)
     if args.process_settings == "lockstep":
         torch.set_flush_denormal(True)
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=args.ranks)
+    init_method = args.init_method or f"tcp://127.0.0.1:{port}"
+    dist.init_process_group("gloo", init_method=init_method, rank=rank, world_size=args.ranks)
 
     torch.manual_seed(0)
     module, input_shape, classes = build_model(torch, args.model)
@@ -139,6 +150,17 @@ def worker(rank, args, port, queue):
         model = module  # the plain loop: no DDP
     else:
         model = torch.nn.parallel.DistributedDataParallel(module, bucket_cap_mb=args.bucket_mb)
+        if args.hook != "none":
+            from torch.distributed.algorithms.ddp_comm_hooks import default_hooks, powerSGD_hook
+            if args.hook == "powersgd":
+                hook_state = powerSGD_hook.PowerSGDState(
+                    process_group=None, matrix_approximation_rank=args.powersgd_rank,
+                    start_powerSGD_iter=args.powersgd_start, min_compression_rate=2, use_error_feedback=True,
+                    warm_start=True)
+                model.register_comm_hook(hook_state, powerSGD_hook.powerSGD_hook)
+            else:
+                model.register_comm_hook(None, default_hooks.bf16_compress_hook if args.hook == "bf16"
+                                         else default_hooks.fp16_compress_hook)
     if args.optimizer == "sgd":
         optimizer_class, settings = torch.optim.SGD, dict(lr=0.01, momentum=0.9)
     else:
@@ -231,7 +253,7 @@ def worker(rank, args, port, queue):
         col = lambda k, scale=1e3: [float(g[k]) * scale for g in gathered]
         grad_bytes = sum(p.numel() * p.element_size() for p in module.parameters())
         queue.put({
-            "framework": "ddp_zero" if args.zero else ("torch_plain" if args.plain else "ddp"), "model": args.model, "ranks": args.ranks, "batch_per_rank": args.batch_per_rank,
+            "framework": "ddp_zero" if args.zero else ("torch_plain" if args.plain else "ddp"), "comm_hook": args.hook, "model": args.model, "ranks": args.ranks, "batch_per_rank": args.batch_per_rank,
             "threads": torch.get_num_threads(), "optimizer": args.optimizer,
             "parameters": sum(p.numel() for p in module.parameters() if p.requires_grad),
             "gradient_bytes": grad_bytes,
@@ -262,10 +284,23 @@ def free_port():
         return s.getsockname()[1]
 
 
+class PrintQueue:
+    """Rank 0's result, printed, when the ranks were started elsewhere (--rank)."""
+
+    def put(self, result):
+        print(json.dumps(result))
+
+
 def main(argv=None):
     args = parse_args(argv)
     if args.plain and (args.ranks != 1 or args.zero):
         sys.exit("ddp_benchmark: --plain is PyTorch's loop on 1 rank, without DDP or ZeRO (--ranks 1)")
+    if args.rank is not None:
+        if args.init_method is None or not 0 <= args.rank < args.ranks:
+            sys.exit("ddp_benchmark: --rank needs --init-method tcp://HOST:PORT and 0 <= rank < --ranks")
+        process_settings(args)
+        worker(args.rank, args, None, PrintQueue())
+        return 0
     process_settings(args)
     import torch.multiprocessing as mp
 

@@ -67,6 +67,7 @@
 #include "lockstep/models.h"
 #include "lockstep/mpi_communicator.h"
 #include "lockstep/runtime.h"
+#include "lockstep/comm_hooks.h"
 #include "lockstep/sharded_data_parallel.h"
 #include "lockstep/torch_setup.h"
 #include "lockstep/trainer.h"
@@ -97,6 +98,11 @@ ABSL_FLAG(int, mesh_model, 1,
 ABSL_FLAG(int64_t, global_batch, 0,
           "examples per step over all data replicas (each takes global_batch / replicas); 0: batch_per_rank x "
           "replicas (weak scaling)");
+ABSL_FLAG(std::string, comm_hook, "none", "gradient communication hook: none, bf16, fp16 or powersgd");
+ABSL_FLAG(int, powersgd_rank, 4, "PowerSGD's rank");
+ABSL_FLAG(int64_t, powersgd_start_step, 2, "PowerSGD: plain all-reduce steps before it starts");
+ABSL_FLAG(bool, hierarchical, false, "hierarchical all-reduce (several hosts with several ranks each)");
+ABSL_FLAG(int, ranks_per_host, 0, "for the hierarchy: consecutive ranks per host; 0: by host name");
 ABSL_FLAG(std::string, sizes, "8,4096,65536,262144,1048576,4194304,16777216,67108864",
           "collectives: message sizes in bytes, comma-separated");
 
@@ -348,6 +354,12 @@ int RunTrain(Communicator& comm, const Runtime& runtime) {
   options.summary_every_steps = 1 << 30;
   options.communicator = &comm;
   options.data_parallel.bucket_bytes = static_cast<size_t>(absl::GetFlag(FLAGS_bucket_mb) * (1 << 20));
+  PowerSgdOptions powersgd;
+  powersgd.rank = absl::GetFlag(FLAGS_powersgd_rank);
+  powersgd.start_step = absl::GetFlag(FLAGS_powersgd_start_step);
+  options.data_parallel.comm_hook = MakeCommHook(absl::GetFlag(FLAGS_comm_hook), powersgd);
+  options.data_parallel.hierarchical = absl::GetFlag(FLAGS_hierarchical);
+  options.data_parallel.ranks_per_host = absl::GetFlag(FLAGS_ranks_per_host);
   options.partitioning = *partitioning;
   options.mesh = mesh.get();
   options.parameter_layouts = layouts;
@@ -477,6 +489,8 @@ int RunTrain(Communicator& comm, const Runtime& runtime) {
       .Array("parameter_bytes", parameter_bytes)
       .Num("buckets", dp ? static_cast<double>(dp->bucketer().buckets().size()) : 0.0)
       .Num("bucket_bytes", static_cast<double>(options.data_parallel.bucket_bytes))
+      .Str("comm_hook", absl::GetFlag(FLAGS_comm_hook))
+      .Str("communication", dp ? dp->bucketer().description() : std::string())
       .Array("step_ms", ms(sync_times))  // rank 0's, every timed step
       .Array("nosync_step_ms", ms(nosync_times))
       .Array("step_ms_median_per_rank", ms(column(0)))
@@ -601,7 +615,8 @@ int Main() {
   mpi.chunk_bytes = static_cast<size_t>(absl::GetFlag(FLAGS_chunk_kib)) << 10;
   mpi.chunks_in_flight = absl::GetFlag(FLAGS_chunks_in_flight);
   mpi.shared_memory_buffers = absl::GetFlag(FLAGS_shared_memory_buffers);
-  mpi.thread_multiple = absl::GetFlag(FLAGS_mesh_model) > 1;  // the mesh's axes run side by side
+  // The mesh's axes, and the hierarchy's groups, run side by side.
+  mpi.thread_multiple = absl::GetFlag(FLAGS_mesh_model) > 1 || absl::GetFlag(FLAGS_hierarchical);
   std::unique_ptr<Communicator> comm = MakeMpiCommunicator(mpi);
   const std::string mode = absl::GetFlag(FLAGS_mode);
   if (mode == "train") return RunTrain(*comm, runtime);

@@ -21,6 +21,7 @@
 
 #include <chrono>
 #include <memory>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -55,6 +56,10 @@ class Work {
   virtual void Wait() = 0;
   // True once the collective has completed or failed (never blocks).
   virtual bool IsCompleted() = 0;
+  // When it completed, on the steady clock, for backends that note it (MPI, on
+  // its worker thread); nullopt before that, and from the others (timelines
+  // then use the time they saw it complete).
+  virtual std::optional<std::chrono::steady_clock::time_point> completed_at() { return std::nullopt; }
 };
 
 class Communicator {

@@ -54,6 +54,7 @@ class Module;
 namespace lockstep {
 
 class CoordinationClient;
+class Timeline;
 
 struct DataParallelOptions {
   size_t bucket_bytes = size_t{25} << 20;
@@ -101,6 +102,9 @@ class GradientBucketer {
   double wait_seconds() const;
   // One line for logs: the hook and the hierarchy, or why there is none.
   const std::string& description() const;
+  // Records each bucket's communication (launch to seen complete) and the waits
+  // for it on `timeline` while it records. Borrowed; null: none.
+  void set_timeline(Timeline* timeline);
 
  private:
   struct State;

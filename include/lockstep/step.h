@@ -55,6 +55,7 @@ ApplyFn ForwardOf() {
 class Communicator;
 class DataParallel;
 class ShardedDataParallel;
+class Timeline;
 
 struct StepOptions {
   // The batch is split into min(num_microbatches, examples on this rank) parts.
@@ -89,6 +90,9 @@ struct StepOptions {
   // checkpoint copying the previous step's state waits here (CheckpointManager::
   // AwaitSnapshot), so that its copy overlaps this step's forward and backward.
   std::function<void()> before_update;
+  // Records forward, backward, the gradient exchange and the optimizer of the
+  // steps it records (lockstep/timeline.h). Not owned; null: none.
+  Timeline* timeline = nullptr;
 };
 
 // Runs one optimizer step on `state` (and increments state.step). The batch is

@@ -38,6 +38,7 @@
 #include "lockstep/runtime.h"
 #include "lockstep/sharded_data_parallel.h"
 #include "lockstep/step.h"
+#include "lockstep/timeline.h"
 #include "lockstep/train_state.h"
 
 namespace lockstep {
@@ -137,6 +138,12 @@ class BaseTrainer {
   // (CheckpointManager::AwaitSnapshot; the job layer sets it).
   void set_before_update(std::function<void()> hook) { before_update_ = std::move(hook); }
 
+  // Records the chosen steps of Train (the data wait here; the step's phases
+  // and buckets in Trainer) on `timeline`, which writes a Chrome trace
+  // (lockstep/timeline.h). Borrowed; null: none.
+  void set_timeline(Timeline* timeline) { timeline_ = timeline; }
+  Timeline* timeline() const { return timeline_; }
+
   TrainState& state() { return state_; }
   const Runtime& runtime() const { return runtime_; }
   // The ranks this trainer's steps and metrics span; null for one process.
@@ -187,6 +194,7 @@ class BaseTrainer {
   std::vector<std::unique_ptr<Action>> actions_;
   HaltDecision halt_;
   std::function<bool(int64_t)> stop_check_;
+  Timeline* timeline_ = nullptr;  // Not owned.
   bool stopped_by_check_ = false;
   std::function<void()> before_update_;
 };

@@ -165,7 +165,7 @@ std::string ResumeRelevantConfigText(const config::TrainerConfig& config) {
   for (const char* field : {"output_dir", "num_train_steps", "eval_every_steps", "summary_every_steps", "progress", "progress_updates",
                             "weight_metrics", "num_threads", "backend", "device", "bucket_mb",
                             "collective_timeout_seconds", "coordination", "checkpoint",
-                            "partitioning", "fault_tolerance", "communication"}) {
+                            "partitioning", "fault_tolerance", "communication", "trace_steps"}) {
     const pb::FieldDescriptor* descriptor = c.GetDescriptor()->FindFieldByName(field);
     if (descriptor != nullptr) c.GetReflection()->ClearField(&c, descriptor);
   }
@@ -297,6 +297,10 @@ absl::Status ValidateConfig(const config::TrainerConfig& c, int world_size) {
   check.Require(e.rtol() >= 0, "early_stopping.rtol", "must be >= 0", e.rtol());
   check.Require(c.collective_timeout_seconds() > 0, "collective_timeout_seconds", "must be > 0",
                 c.collective_timeout_seconds());
+  for (int64_t step : c.trace_steps()) {
+    check.Require(step >= 1 && step <= c.num_train_steps(), "trace_steps",
+                  absl::StrCat("must be steps in [1, num_train_steps = ", c.num_train_steps(), "]"), step);
+  }
   const auto& comm = c.communication();
   check.Require(comm.hook() == "none" || comm.hook() == "bf16" || comm.hook() == "fp16" || comm.hook() == "powersgd",
                 "communication.hook", "must be one of none, bf16, fp16, powersgd", comm.hook());

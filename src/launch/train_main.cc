@@ -16,6 +16,8 @@
 #include <cstdio>
 #include <cstdlib>
 #include <filesystem>
+#include <memory>
+#include <set>
 #include <string>
 #include <vector>
 
@@ -132,7 +134,21 @@ int Run(const config::TrainerConfig& cfg, const Runtime& runtime, std::unique_pt
     const auto* gpt = dynamic_cast<const GptImpl*>(model.module.get());
     loss = gpt != nullptr ? LanguageModelLoss(gpt->vocab_axis(), gpt->vocab_begin()) : LanguageModelLoss();
   }
+  std::unique_ptr<Timeline> timeline;  // outlives the trainer that records on it
+  if (cfg.trace_steps_size() > 0) {
+    const std::string path =
+        (std::filesystem::path(cfg.output_dir()) / "trace" / absl::StrFormat("rank_%d.json", runtime.rank)).string();
+    timeline = std::make_unique<Timeline>(path, runtime.rank,
+                                          std::set<int64_t>(cfg.trace_steps().begin(), cfg.trace_steps().end()));
+  }
   Trainer trainer(state, model.apply, loss, options, runtime);
+  if (timeline != nullptr) {
+    trainer.set_timeline(timeline.get());
+    if (runtime.is_chief()) {
+      std::printf("Timeline: %d step(s) traced to %s/trace/rank_<r>.json (open in https://ui.perfetto.dev)\n",
+                  cfg.trace_steps_size(), cfg.output_dir().c_str());
+    }
+  }
   if (DataParallel* replicated = trainer.data_parallel(); replicated != nullptr && runtime.is_chief()) {
     std::printf("Communication: %s\n", replicated->bucketer().description().c_str());
   }

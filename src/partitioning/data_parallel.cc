@@ -20,6 +20,7 @@
 #include "lockstep/agreement.h"
 #include "lockstep/coordination.h"
 #include "lockstep/hashing.h"
+#include "lockstep/timeline.h"
 #include "gradient_readiness.h"
 
 namespace lockstep {
@@ -30,6 +31,9 @@ struct GradientBucketer::State {
     at::Tensor flat;   // padded to a multiple of the host's ranks with a hierarchy
     at::Tensor slice;  // hierarchy: this rank's reduced slice of flat
     std::shared_ptr<Work> work;
+    // For the timeline: when it was launched and first seen complete.
+    Timeline::Clock::time_point launched, done;
+    bool seen_done = false;
   };
 
   Communicator* communicator = nullptr;  // Not owned.
@@ -40,6 +44,21 @@ struct GradientBucketer::State {
   std::unique_ptr<Communicator> cross;
   std::string description;
   int64_t steps = 0;  // synchronised steps finished
+  Timeline* timeline = nullptr;  // Not owned.
+
+  bool tracing() const { return timeline != nullptr && timeline->recording(); }
+  // Notes the buckets in flight that have completed by now (the timeline's end
+  // of their spans).
+  void PollDone(size_t up_to) {
+    const auto now = Timeline::Clock::now();
+    for (size_t b = 0; b < up_to && b < buckets.size(); ++b) {
+      Bucket& bucket = buckets[b];
+      if (bucket.work && !bucket.seen_done && bucket.work->IsCompleted()) {
+        bucket.seen_done = true;
+        bucket.done = now;
+      }
+    }
+  }
   CollectiveOptions collective;
   std::vector<at::Tensor> parameters;
   std::vector<size_t> bucket_of;  // parameter index -> bucket
@@ -130,6 +149,11 @@ struct GradientBucketer::State {
     // Normally every gradient already is its view (Arm made it so). Not when a
     // hook or the user replaced one since: its value is copied in.
     for (size_t p : bucket.params) internal::CopyGradInto(parameters[p], views[p]);
+    if (tracing()) {
+      PollDone(b);
+      bucket.launched = Timeline::Clock::now();
+      bucket.seen_done = false;
+    }
     GradientBucket unit;
     unit.index = static_cast<int>(b);
     unit.step = steps;
@@ -231,6 +255,7 @@ GradientBucketer::GradientBucketer(Communicator* communicator, std::vector<at::T
       s.parameters, [state](size_t b) { state->Launch(b); },
       [state](size_t p) {
         if (!state->rebuilt) state->ready_order.push_back(p);
+        if (state->tracing()) state->PollDone(state->buckets.size());
       });
   // Until the first backward shows the real order: reverse registration order,
   // which is roughly the order backward produces gradients in.
@@ -258,10 +283,29 @@ void GradientBucketer::Finish() {
   if (!s.readiness->armed()) Arm();
   s.readiness->LaunchRest();
   at::NoGradGuard no_grad;
-  for (State::Bucket& bucket : s.buckets) {
+  const bool tracing = s.tracing();
+  if (tracing) s.PollDone(s.buckets.size());
+  for (size_t b = 0; b < s.buckets.size(); ++b) {
+    State::Bucket& bucket = s.buckets[b];
     const auto wait_start = std::chrono::steady_clock::now();
     bucket.work->Wait();
-    s.wait_seconds += std::chrono::duration<double>(std::chrono::steady_clock::now() - wait_start).count();
+    const auto wait_end = std::chrono::steady_clock::now();
+    s.wait_seconds += std::chrono::duration<double>(wait_end - wait_start).count();
+    if (tracing) {
+      if (const auto completed = bucket.work->completed_at()) {
+        bucket.done = std::max(bucket.launched, *completed);  // the backend's own note
+      } else if (!bucket.seen_done) {
+        bucket.done = wait_end;
+      }
+      const int64_t bytes = bucket.flat.numel() * bucket.flat.element_size();
+      const std::string args = absl::StrCat("\"bytes\": ", bytes, ", \"parameters\": ", bucket.params.size());
+      s.timeline->Add(absl::StrCat("bucket ", b, s.local != nullptr ? " hierarchical" : "",
+                                   s.hook != nullptr ? absl::StrCat(" ", s.hook->name()) : std::string(" all-reduce")),
+                      2 + static_cast<int>(b), bucket.launched, bucket.done, args);
+      if (wait_end - wait_start > std::chrono::microseconds(20)) {
+        s.timeline->Add(absl::StrCat("wait bucket ", b), 1, wait_start, wait_end, "");
+      }
+    }
     // The sums are in the views; a gradient that is not one (see Launch) becomes one.
     for (size_t p : bucket.params) {
       if (!internal::GradIs(s.parameters[p], s.views[p])) s.parameters[p].mutable_grad() = s.views[p];
@@ -275,6 +319,7 @@ const std::vector<std::vector<size_t>>& GradientBucketer::buckets() const { retu
 int GradientBucketer::launched_during_backward() const { return state_->readiness->launched_during_backward(); }
 double GradientBucketer::wait_seconds() const { return state_->wait_seconds; }
 const std::string& GradientBucketer::description() const { return state_->description; }
+void GradientBucketer::set_timeline(Timeline* timeline) { state_->timeline = timeline; }
 
 namespace {
 

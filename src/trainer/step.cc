@@ -5,12 +5,14 @@
 #include <torch/nn/utils/clip_grad.h>
 
 #include <cmath>
+#include <optional>
 #include <string>
 
 #include "lockstep/communicator.h"
 #include "lockstep/data_parallel.h"
 #include "lockstep/sharded_data_parallel.h"
 #include "lockstep/errors.h"
+#include "lockstep/timeline.h"
 
 namespace lockstep {
 namespace {
@@ -150,17 +152,25 @@ MetricMap RunTrainStep(TrainState& state, const Batch& host_batch, const ApplyFn
     const int64_t size = n / k + (i < n % k ? 1 : 0);
     const at::Tensor inputs = batch.inputs.narrow(0, offset, size);
     const at::Tensor targets = batch.targets.narrow(0, offset, size);
+    std::optional<TimelineSpan> forward_span(std::in_place, options.timeline, "forward");
     const at::Tensor outputs = apply(*state.model, inputs);
     const at::Tensor per_example = loss(outputs, targets);
     CheckPerExample(per_example, size, "the loss");
     at::Tensor weights;
     if (weighted) weights = batch.weights.narrow(0, offset, size).to(per_example.scalar_type());
     const at::Tensor summed = weighted ? per_example.mul(weights).sum() : per_example.sum();
-    if (i == 0) await_total_weight();
+    forward_span.reset();
+    if (i == 0) {
+      const TimelineSpan span(options.timeline, "wait for the global batch weight");
+      await_total_weight();
+    }
     // Only the last microbatch's backward communicates.
     if (data_parallel != nullptr && i == k - 1) data_parallel->bucketer().Arm();
     if (sharded != nullptr && i == k - 1) sharded->Arm();
-    summed.div(total_weight).backward();
+    {
+      const TimelineSpan span(options.timeline, "backward");
+      summed.div(total_weight).backward();
+    }
 
     const at::Tensor detached = summed.detach();
     loss_sum = loss_sum.defined() ? loss_sum.add(detached) : detached;
@@ -173,8 +183,12 @@ MetricMap RunTrainStep(TrainState& state, const Batch& host_batch, const ApplyFn
   }
   await_total_weight();  // a rank with an empty shard ran no microbatch
 
-  if (data_parallel != nullptr) data_parallel->bucketer().Finish();
-  if (sharded != nullptr) sharded->Finish();
+  {
+    const TimelineSpan span(options.timeline, "finish gradient exchange");
+    if (data_parallel != nullptr) data_parallel->bucketer().Finish();
+    if (sharded != nullptr) sharded->Finish();
+  }
+  std::optional<TimelineSpan> optimizer_span(std::in_place, options.timeline, "norms and optimizer");
 
   // The gradient norm is the clipping's when clipping; else, like the weight norm
   // after the update, it comes from the optimizer's own pass (ReportsStepSquares) when that
@@ -223,6 +237,7 @@ MetricMap RunTrainStep(TrainState& state, const Batch& host_batch, const ApplyFn
     optimizer.step();
   }
   ++state.step;
+  optimizer_span.reset();
   bool one_pass_norms = sgd != nullptr && sgd->last_step_squares().complete &&
                         sgd->last_step_squares().tensors == static_cast<int64_t>(params.size());
   if (one_pass_norms) {

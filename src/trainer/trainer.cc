@@ -146,13 +146,17 @@ MetricMap BaseTrainer::Train(BatchIterator& data, int64_t num_steps, std::option
     Emit(summary);
   };
   for (int64_t i = 0; i < num_steps && !halt_.halt; ++i) {
+    if (timeline_ != nullptr) timeline_->BeginStep(state_.step + 1);
     const auto wait_start = std::chrono::steady_clock::now();
     std::optional<Batch> batch = data.Next();
     if (!batch) break;
-    data_wait_seconds_ += std::chrono::duration<double>(std::chrono::steady_clock::now() - wait_start).count();
+    const auto wait_end = std::chrono::steady_clock::now();
+    data_wait_seconds_ += std::chrono::duration<double>(wait_end - wait_start).count();
     ++data_wait_steps_;
+    if (timeline_ != nullptr) timeline_->Add("data wait", wait_start, wait_end);
     const int64_t before = state_.step;
     period.AddStep(TrainStep(*batch));
+    if (timeline_ != nullptr) timeline_->EndStep();
     if (state_.step != before + 1) {
       throw Error("TrainStep must advance state.step by exactly one (went from " + std::to_string(before) + " to " +
                   std::to_string(state_.step) + ")");
@@ -278,6 +282,8 @@ void Trainer::ChangeCommunicator(Communicator* communicator) {
 }
 
 MetricMap Trainer::TrainStep(const Batch& batch) {
+  options_.step.timeline = timeline();
+  if (data_parallel_) data_parallel_->bucketer().set_timeline(timeline());
   MetricMap metrics = RunTrainStep(state(), batch, apply_, loss_, options_.step);
   // Every rank of a model-axis group computed the same values from the same
   // examples: the group's first rank speaks for it.

@@ -12,6 +12,7 @@
 #include <string>
 
 #include "google/protobuf/util/message_differencer.h"
+#include "absl/strings/str_cat.h"
 #include "lockstep/config.h"
 #include "tests/testing/temp_dir.h"
 
@@ -142,6 +143,33 @@ TEST(ConfigTest, MeshesAreChecked) {
                   .status()
                   .message(),
               HasSubstr("needs model.name gpt"));
+}
+
+TEST(ConfigTest, CommunicationAndTracingAreChecked) {
+  auto on = [](int world, const std::string& more) {
+    absl::StatusOr<config::TrainerConfig> cfg = ParseConfig("data { global_batch_size: 12 } " + more, "test");
+    EXPECT_TRUE(cfg.ok()) << cfg.status();
+    return ValidateConfig(*cfg, world);
+  };
+  for (const char* hook : {"none", "bf16", "fp16", "powersgd"}) {
+    EXPECT_TRUE(on(2, absl::StrCat("communication { hook: '", hook, "' }")).ok()) << hook;
+  }
+  EXPECT_TRUE(on(4, "communication { hierarchical: true hook: 'bf16' ranks_per_host: 2 }").ok());
+  EXPECT_THAT(on(2, "communication { hook: 'zip' }").message(),
+              HasSubstr("'communication.hook' must be one of none, bf16, fp16, powersgd, got zip"));
+  EXPECT_THAT(on(2, "communication { hook: 'powersgd' powersgd_rank: 0 }").message(),
+              HasSubstr("'communication.powersgd_rank' must be >= 1"));
+  EXPECT_THAT(on(4, "communication { hierarchical: true ranks_per_host: 3 }").message(),
+              HasSubstr("'communication.ranks_per_host' must divide the world size 4"));
+  EXPECT_THAT(on(2, "communication { hook: 'bf16' } partitioning { strategy: 'sharded_gradients' }").message(),
+              HasSubstr("'partitioning.strategy' must be replicated with a communication hook"));
+  EXPECT_THAT(on(4, "communication { hierarchical: true hook: 'powersgd' }").message(),
+              HasSubstr("must be false with the powersgd hook"));
+  EXPECT_THAT(on(2, "communication { hook: 'fp16' } fault_tolerance { enabled: true }").message(),
+              HasSubstr("'fault_tolerance.enabled' must be false with a communication hook"));
+  EXPECT_TRUE(on(1, "num_train_steps: 10 trace_steps: [1, 10]").ok());
+  EXPECT_THAT(on(1, "num_train_steps: 10 trace_steps: 11").message(),
+              HasSubstr("'trace_steps' must be steps in [1, num_train_steps = 10], got 11"));
 }
 
 TEST(ConfigTest, ShippedConfigsAreValidAndRoundTrip) {

@@ -141,6 +141,11 @@ class MpiWork final : public Work {
     absl::MutexLock lock(&mu_);
     error_ = std::move(error);
     done_ = true;
+    completed_at_ = std::chrono::steady_clock::now();
+  }
+  std::optional<std::chrono::steady_clock::time_point> completed_at() override {
+    absl::MutexLock lock(&mu_);
+    return completed_at_;
   }
 
   static std::string TimeoutMessage(const std::string& what, std::chrono::milliseconds timeout) {
@@ -161,6 +166,7 @@ class MpiWork final : public Work {
   absl::Mutex mu_;
   bool done_ ABSL_GUARDED_BY(mu_) = false;
   std::exception_ptr error_ ABSL_GUARDED_BY(mu_);
+  std::optional<std::chrono::steady_clock::time_point> completed_at_ ABSL_GUARDED_BY(mu_);
 };
 
 // A buffer from AllocateCollectiveBuffer in POSIX shared memory: every rank's

@@ -1,0 +1,158 @@
+#!/usr/bin/env bash
+# Training over a slow network: Lockstep (flat, hierarchical, bf16/fp16, PowerSGD)
+# side by side with PyTorch DDP over gloo (plain, fp16 and PowerSGD hooks) on the
+# namespace cluster of tests/cluster/cluster.sh, its links rate-limited with tc tbf.
+#
+#   sudo benchmarks/slow_network.sh [BUILD_DIR]     (./dev.sh slow-network)
+#
+# Environment: RATES (default "1gbit 10gbit"), MODEL (wide_mlp), STEPS (timed
+# steps per phase, 8), OUT (a folder for the JSON lines, default
+# BUILD_DIR/slow_network). For each rate, 2 hosts x 1 rank and 2 hosts x 2 ranks:
+# - the all-reduce's bus bandwidth between the hosts (scaleout_benchmark
+#   --mode=collectives, 16 MiB, MPI's and Lockstep's), against the link rate;
+# - each framework's step time with and without communication (DDP's no_sync,
+#   Lockstep's nosync phase: the same processes on the same cores), their ratio
+#   (the scaling efficiency against no communication: this machine's 2 cores
+#   make a 1-rank baseline meaningless for 4 ranks), and the bytes per step on
+#   node1's link (both directions, counted by the kernel).
+# Needs root; prints one table per rate and writes every result as a JSON line.
+set -euo pipefail
+source_dir=$(cd "$(dirname "$0")/.." && pwd)
+build=${1:-$source_dir/build}
+rates=${RATES:-"1gbit 10gbit"}
+model=${MODEL:-wide_mlp}
+steps=${STEPS:-8}
+out=${OUT:-$build/slow_network}
+python=/usr/bin/python3
+[[ $(id -u) -eq 0 ]] || { echo "slow_network: needs root (network namespaces)" >&2; exit 1; }
+[[ -x $build/scaleout_benchmark ]] || { echo "slow_network: no $build/scaleout_benchmark (build first)" >&2; exit 1; }
+mkdir -p "$out"
+results=$out/results.jsonl
+: > "$results"
+
+while read -r name; do unset "$name"; done < <(compgen -e | grep -E '^(SLURM_|OMPI_COMM_WORLD_|OMPI_MCA_oob)' || true)
+work=$(mktemp -d /tmp/lockstep_slow_network.XXXXXX)
+source "$source_dir/tests/cluster/cluster.sh"
+trap 'cluster_down; rm -rf "$work"' EXIT
+trap 'exit 130' INT
+trap 'exit 143' TERM
+cluster_up 2 "$work/cluster"
+tag=$(cat "$work/cluster/tag")
+link=/sys/class/net/lk${tag}v1/statistics
+link_bytes() { echo $(( $(cat "$link/rx_bytes") + $(cat "$link/tx_bytes") )); }
+
+common=(--model="$model" --steps="$steps" --rounds=2 --warmup_steps=3 --breakdown_steps=2 --threads=1)
+mpirun_hosts() {  # mpirun_hosts HOSTS NP PROGRAM ARGS...: from node0, over eth0 only
+  local hosts=$1 np=$2
+  shift 2
+  cluster_exec node0 env OMPI_MCA_btl_vader_single_copy_mechanism=none OMPI_MCA_rmaps_base_oversubscribe=1 \
+    mpirun --allow-run-as-root --oversubscribe --mca plm_rsh_agent "$work/cluster/agent" \
+    --mca btl_tcp_if_include eth0 --mca oob_tcp_if_include eth0 --bind-to none -np "$np" --host "$hosts" "$@"
+}
+
+# record RATE LAYOUT NAME BYTES_BEFORE JSON_FILE: one JSON line with the link's bytes.
+record() {
+  local rate=$1 layout=$2 name=$3 before=$4 file=$5
+  local after
+  after=$(link_bytes)
+  "$python" - "$rate" "$layout" "$name" "$((after - before))" "$file" "$steps" >> "$results" <<'EOF'
+import json, sys
+rate, layout, name, link_bytes, path, steps = sys.argv[1:7]
+with open(path) as f:
+    lines = [l for l in f if l.startswith("{")]
+if not lines:
+    sys.exit(f"slow_network: {name} at {rate}, {layout}: no result in {path}")
+r = json.loads(lines[-1])
+r.update({"rate": rate, "layout": layout, "name": name, "link_bytes": int(link_bytes)})
+print(json.dumps(r))
+EOF
+}
+
+lockstep_train() {  # RATE LAYOUT HOSTS NP NAME FLAGS...
+  local rate=$1 layout=$2 hosts=$3 np=$4 name=$5
+  shift 5
+  local before file=$work/$name-$layout-$rate.json
+  before=$(link_bytes)
+  mpirun_hosts "$hosts" "$np" "$build/scaleout_benchmark" "${common[@]}" "$@" > "$file" 2> "$file.err" ||
+    { cat "$file.err" >&2; echo "slow_network: $name failed" >&2; exit 1; }
+  record "$rate" "$layout" "$name" "$before" "$file"
+}
+
+ddp_port=29500
+ddp_train() {  # RATE LAYOUT PER_HOST NAME FLAGS...: PyTorch DDP, ranks started on each host
+  local rate=$1 layout=$2 per_host=$3 name=$4
+  shift 4
+  ddp_port=$((ddp_port + 1))  # a fresh rendezvous port per run
+  local before file=$work/$name-$layout-$rate.json pids=() world=$((2 * per_host)) r h
+  before=$(link_bytes)
+  for h in 0 1; do
+    for ((l = 0; l < per_host; l++)); do
+      r=$((h * per_host + l))
+      cluster_exec node$h env GLOO_SOCKET_IFNAME=eth0 "$python" "$source_dir/benchmarks/ddp_benchmark.py" \
+        --ranks "$world" --rank "$r" --local-rank "$l" --init-method "tcp://10.99.0.1:$ddp_port" --model "$model" \
+        --steps "$steps" --rounds 2 --warmup-steps 3 --breakdown-steps 2 --threads 1 --bind none "$@" \
+        > "$file.$r" 2> "$file.$r.err" &
+      pids+=($!)
+    done
+  done
+  for r in "${!pids[@]}"; do
+    wait "${pids[$r]}" || { cat "$file.$r.err" >&2; echo "slow_network: $name rank $r failed" >&2; exit 1; }
+  done
+  cp "$file.0" "$file"
+  record "$rate" "$layout" "$name" "$before" "$file"
+}
+
+for rate in $rates; do
+  cluster_limit node0 "$rate"
+  cluster_limit node1 "$rate"
+  echo "== $rate =="
+  # Bus bandwidth between the hosts, 2 x 1.
+  before=$(link_bytes)
+  mpirun_hosts node0:1,node1:1 2 "$build/scaleout_benchmark" --mode=collectives --sizes=16777216 \
+    > "$work/coll-$rate.json" 2> "$work/coll-$rate.err" || { cat "$work/coll-$rate.err" >&2; exit 1; }
+  record "$rate" 2x1 collectives "$before" "$work/coll-$rate.json"
+  for hook in none bf16 fp16 powersgd; do
+    lockstep_train "$rate" 2x1 node0:1,node1:1 2 "lockstep-$hook" --comm_hook=$hook
+  done
+  for hook in none fp16 powersgd; do
+    ddp_train "$rate" 2x1 1 "ddp-$hook" --hook $hook
+  done
+  lockstep_train "$rate" 2x2 node0:2,node1:2 4 lockstep-flat
+  lockstep_train "$rate" 2x2 node0:2,node1:2 4 lockstep-hierarchical --hierarchical
+  lockstep_train "$rate" 2x2 node0:2,node1:2 4 lockstep-hierarchical-bf16 --hierarchical --comm_hook=bf16
+  ddp_train "$rate" 2x2 2 ddp-none --hook none
+done
+
+"$python" - "$results" <<'EOF'
+import json, sys
+rows = [json.loads(l) for l in open(sys.argv[1])]
+def median(v):
+    v = sorted(v)
+    return v[len(v) // 2] if v else float("nan")
+for rate in dict.fromkeys(r["rate"] for r in rows):
+    bits = float(rate.replace("gbit", "e9").replace("mbit", "e6"))
+    print(f"\n### {rate}\n")
+    for r in rows:
+        if r["rate"] == rate and r["name"] == "collectives":
+            for row in r["allreduce"]:
+                # 2 ranks: the bus bandwidth of an all-reduce is bytes / time.
+                for key, label in (("mpi_s", "MPI_Allreduce"), ("lockstep_plain_s", "Lockstep (MPI backend)"),
+                                   ("gloo_s", "Gloo")):
+                    if key in row and row[key] > 0:
+                        bus = row["bytes"] / row[key] * 8
+                        print(f"- all-reduce of {row['bytes'] >> 20} MiB, {label}: bus bandwidth "
+                              f"{bus / 1e9:.2f} Gbit/s = {bus / bits:.2f}x the link")
+    print("\n| layout | run | step ms | no-comm step ms | efficiency | MB per step on node1's link |")
+    print("| --- | --- | --- | --- | --- | --- |")
+    for r in rows:
+        if r["rate"] != rate or r["name"] == "collectives":
+            continue
+        step = max(r["step_ms_median_per_rank"])
+        nosync = max(r["nosync_step_ms_median_per_rank"])
+        # Synchronised steps: warm-up and timed (nosync steps send nothing). The
+        # start-up broadcast of the parameters (one model's worth) is taken off.
+        sync_steps = len(r["step_ms"]) + 3
+        per_step = max(0, r["link_bytes"] - r["gradient_bytes"]) / sync_steps
+        print(f"| {r['layout']} | {r['name']} | {step:.0f} | {nosync:.0f} | {nosync / step:.2f} | "
+              f"{per_step / 1e6:.0f} |")
+EOF
