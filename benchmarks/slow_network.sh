@@ -25,7 +25,7 @@ steps=${STEPS:-8}
 out=${OUT:-$build/slow_network}
 python=/usr/bin/python3
 [[ $(id -u) -eq 0 ]] || { echo "slow_network: needs root (network namespaces)" >&2; exit 1; }
-[[ -x $build/scaleout_benchmark ]] || { echo "slow_network: no $build/scaleout_benchmark (build first)" >&2; exit 1; }
+[[ -x $build/benchmarks/scaleout_benchmark ]] || { echo "slow_network: no $build/benchmarks/scaleout_benchmark (build first)" >&2; exit 1; }
 mkdir -p "$out"
 results=$out/results.jsonl
 : > "$results"
@@ -73,7 +73,7 @@ lockstep_train() {  # RATE LAYOUT HOSTS NP NAME FLAGS...
   shift 5
   local before file=$work/$name-$layout-$rate.json
   before=$(link_bytes)
-  mpirun_hosts "$hosts" "$np" "$build/scaleout_benchmark" "${common[@]}" "$@" > "$file" 2> "$file.err" ||
+  mpirun_hosts "$hosts" "$np" "$build/benchmarks/scaleout_benchmark" "${common[@]}" "$@" > "$file" 2> "$file.err" ||
     { cat "$file.err" >&2; echo "slow_network: $name failed" >&2; exit 1; }
   record "$rate" "$layout" "$name" "$before" "$file"
 }
@@ -88,16 +88,27 @@ ddp_train() {  # RATE LAYOUT PER_HOST NAME FLAGS...: PyTorch DDP, ranks started 
   for h in 0 1; do
     for ((l = 0; l < per_host; l++)); do
       r=$((h * per_host + l))
-      cluster_exec node$h env GLOO_SOCKET_IFNAME=eth0 "$python" "$source_dir/benchmarks/ddp_benchmark.py" \
+      cluster_exec node$h timeout 600 env GLOO_SOCKET_IFNAME=eth0 "$python" "$source_dir/benchmarks/ddp_benchmark.py" \
         --ranks "$world" --rank "$r" --local-rank "$l" --init-method "tcp://10.99.0.1:$ddp_port" --model "$model" \
         --steps "$steps" --rounds 2 --warmup-steps 3 --breakdown-steps 2 --threads 1 --bind none "$@" \
         > "$file.$r" 2> "$file.$r.err" &
       pids+=($!)
     done
   done
+  local failed=""
   for r in "${!pids[@]}"; do
-    wait "${pids[$r]}" || { cat "$file.$r.err" >&2; echo "slow_network: $name rank $r failed" >&2; exit 1; }
+    if ! wait "${pids[$r]}"; then
+      # PyTorch's failure is a result too: the row says what it printed.
+      [[ -n $failed ]] || failed=$(grep -m1 -E "Error|error|what\(\)" "$file.$r.err" || tail -1 "$file.$r.err")
+      for pid in "${pids[@]}"; do kill "$pid" 2> /dev/null || true; done
+    fi
   done
+  if [[ -n $failed ]]; then
+    echo "slow_network: $name failed: $failed" >&2
+    "$python" -c 'import json, sys; print(json.dumps(dict(zip(["rate", "layout", "name", "error"], sys.argv[1:]))))' \
+      "$rate" "$layout" "$name" "$failed" >> "$results"
+    return 0
+  fi
   cp "$file.0" "$file"
   record "$rate" "$layout" "$name" "$before" "$file"
 }
@@ -108,7 +119,7 @@ for rate in $rates; do
   echo "== $rate =="
   # Bus bandwidth between the hosts, 2 x 1.
   before=$(link_bytes)
-  mpirun_hosts node0:1,node1:1 2 "$build/scaleout_benchmark" --mode=collectives --sizes=16777216 \
+  mpirun_hosts node0:1,node1:1 2 "$build/benchmarks/scaleout_benchmark" --mode=collectives --sizes=16777216 \
     > "$work/coll-$rate.json" 2> "$work/coll-$rate.err" || { cat "$work/coll-$rate.err" >&2; exit 1; }
   record "$rate" 2x1 collectives "$before" "$work/coll-$rate.json"
   for hook in none bf16 fp16 powersgd; do
@@ -146,6 +157,9 @@ for rate in dict.fromkeys(r["rate"] for r in rows):
     print("| --- | --- | --- | --- | --- | --- |")
     for r in rows:
         if r["rate"] != rate or r["name"] == "collectives":
+            continue
+        if "error" in r:
+            print(f"| {r['layout']} | {r['name']} | failed: {r['error'][:120]} | | | |")
             continue
         step = max(r["step_ms_median_per_rank"])
         nosync = max(r["nosync_step_ms_median_per_rank"])

@@ -3,8 +3,8 @@
 // Every collective runs on a worker thread of the communicator that owns all MPI
 // calls after initialisation (MPI_THREAD_SERIALIZED), so that communication goes
 // on while the calling thread computes: the worker issues non-blocking MPI calls
-// and drives them to completion, with the call's deadline. An all-reduce or
-// broadcast larger than `chunk_bytes` is split into chunks with up to
+// and drives them to completion, with the call's deadline. An all-reduce,
+// all-gather or broadcast larger than `chunk_bytes` is split into chunks with up to
 // `chunks_in_flight` outstanding at a time, because MPI's all-reduce over shared
 // memory moves messages of about a megabyte at a far higher rate than very large
 // ones (see benchmarks/README.md for measured rates).

@@ -350,6 +350,17 @@ TEST_F(CollectivesTest, CollectiveBuffersFallBackToPlainTensors) {
   gathered.narrow(0, 3 * rank_, 3).fill_(rank_ + 5);
   plain->AllGather(gathered, gathered.narrow(0, 3 * rank_, 3));
   for (int r = 0; r < size_; ++r) EXPECT_TRUE(gathered.narrow(0, 3 * r, 3).eq(r + 5).all().item<bool>()) << r;
+  // Above the chunk size (1 MiB) it goes in chunks, each rank's landing in its place; in place too.
+  const int64_t n = 300001;
+  at::Tensor large = at::full({n * size_}, -1.0f);
+  plain->AllGather(large, at::arange(n, at::kFloat) + rank_);
+  for (int r = 0; r < size_; ++r) EXPECT_TRUE(large.narrow(0, n * r, n).equal(at::arange(n, at::kFloat) + r)) << r;
+  large.fill_(-1);
+  large.narrow(0, n * rank_, n).copy_(at::arange(n, at::kFloat) * (rank_ + 2));
+  plain->AllGather(large, large.narrow(0, n * rank_, n));
+  for (int r = 0; r < size_; ++r) {
+    EXPECT_TRUE(large.narrow(0, n * r, n).equal(at::arange(n, at::kFloat) * (r + 2))) << r;
+  }
   at::Tensor mine = at::empty({3});
   plain->ReduceScatter(mine, at::arange(3 * size_, at::kFloat), ReduceOp::kSum);
   EXPECT_TRUE(mine.equal(at::arange(3 * rank_, 3 * rank_ + 3, at::kFloat) * size_));

@@ -349,10 +349,31 @@ class MpiCommunicator final : public Communicator {
     const int count = static_cast<int>(input.numel());
     const bool in_place =
         input.data_ptr() == static_cast<char*>(output.data_ptr()) + rank_ * count * input.element_size();
-    MPI_Request request;
-    LOCKSTEP_MPI_CHECK(MPI_Iallgather(in_place ? MPI_IN_PLACE : input.data_ptr(), count, type, output.data_ptr(), count,
-                                      type, comm_, &request));
-    Drive(&request, 1, deadline);
+    const size_t element_size = input.element_size();
+    if (static_cast<size_t>(count) * element_size <= options_.chunk_bytes) {
+      MPI_Request request;
+      LOCKSTEP_MPI_CHECK(MPI_Iallgather(in_place ? MPI_IN_PLACE : input.data_ptr(), count, type, output.data_ptr(),
+                                        count, type, comm_, &request));
+      Drive(&request, 1, deadline);
+      return;
+    }
+    // Large: in chunks, several in flight, as all-reduces go (Open MPI moves one
+    // large message between hosts at about half the link's rate; chunks fill it).
+    // Chunk [offset, offset + k) of every rank lands at rank r's place in the
+    // output, r x count + offset: a block of k elements whose extent is count.
+    auto* in = static_cast<const char*>(input.data_ptr());
+    auto* out = static_cast<char*>(output.data_ptr());
+    Pipelined(count, element_size, deadline, [&](size_t byte_offset, int k, MPI_Request* request) {
+      MPI_Datatype block = MPI_DATATYPE_NULL, strided = MPI_DATATYPE_NULL;
+      LOCKSTEP_MPI_CHECK(MPI_Type_contiguous(k, type, &block));
+      LOCKSTEP_MPI_CHECK(MPI_Type_create_resized(block, 0, static_cast<MPI_Aint>(count) * element_size, &strided));
+      LOCKSTEP_MPI_CHECK(MPI_Type_commit(&strided));
+      LOCKSTEP_MPI_CHECK(MPI_Iallgather(in_place ? MPI_IN_PLACE : in + byte_offset, k, type, out + byte_offset, 1,
+                                        strided, comm_, request));
+      // Freed now, released by MPI once the collective is done with it.
+      LOCKSTEP_MPI_CHECK(MPI_Type_free(&strided));
+      LOCKSTEP_MPI_CHECK(MPI_Type_free(&block));
+    });
   }
 
   std::shared_ptr<Work> ReduceScatterAsync(at::Tensor output, at::Tensor input, ReduceOp op,
