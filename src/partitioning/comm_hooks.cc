@@ -84,11 +84,17 @@ std::shared_ptr<Work> HalfPrecisionHook::Run(Communicator& communicator, const G
   const at::ScalarType dtype = dtype_;
   return Then(std::move(work), [buffer, gathered, compressed, dtype, world, n] {
     at::NoGradGuard no_grad;
-    // Rank 0's values, then rank 1's, ...: the same float32 sum on every rank.
+    // Rank 0's values, then rank 1's, ...: the same float32 sum on every rank,
+    // widened as they are added into the buffer (no temporaries).
     const at::Tensor values = gathered.view(dtype).view({world, n});
-    at::Tensor sum = values.select(0, 0).to(at::kFloat);
-    for (int r = 1; r < world; ++r) sum.add_(values.select(0, r).to(at::kFloat));
-    buffer.copy_(sum);
+    if (buffer.scalar_type() == at::kFloat) {
+      buffer.copy_(values.select(0, 0));
+      for (int r = 1; r < world; ++r) buffer.add_(values.select(0, r));
+    } else {
+      at::Tensor sum = values.select(0, 0).to(at::kFloat);
+      for (int r = 1; r < world; ++r) sum.add_(values.select(0, r));
+      buffer.copy_(sum);
+    }
   });
 }
 
