@@ -73,6 +73,14 @@ struct DataParallelOptions {
   // For the hierarchy: consecutive ranks, this many per host. 0: the ranks that
   // report the same host name (gethostname) share a host.
   int ranks_per_host = 0;
+  // Bucket-size tuning, as Horovod's autotune does it: when not empty, after the
+  // first synchronised step each of these sizes is tried for `autotune_steps`
+  // steps (plus one to settle), the median step time (Finish to Finish, the
+  // slowest rank's) is measured, and the fastest size is kept. Every rank takes
+  // the same decision; description() then lists the times and the choice, and
+  // rank 0 prints it.
+  std::vector<size_t> autotune_bucket_bytes;
+  int autotune_steps = 5;
 };
 
 class GradientBucketer {

@@ -311,10 +311,14 @@ absl::Status ValidateConfig(const config::TrainerConfig& c, int world_size) {
                 comm.ranks_per_host());
   check.Require(comm.ranks_per_host() <= 0 || world_size % comm.ranks_per_host() == 0, "communication.ranks_per_host",
                 absl::StrCat("must divide the world size ", world_size), comm.ranks_per_host());
-  const bool custom_comm = comm.hook() != "none" || comm.hierarchical();
+  for (double mb : comm.autotune_bucket_mb()) {
+    check.Require(mb > 0 && std::isfinite(mb), "communication.autotune_bucket_mb", "must be sizes > 0", mb);
+  }
+  check.Require(comm.autotune_steps() >= 1, "communication.autotune_steps", "must be >= 1", comm.autotune_steps());
+  const bool custom_comm = comm.hook() != "none" || comm.hierarchical() || comm.autotune_buckets();
   check.Require(!custom_comm || strategy == "replicated", "partitioning.strategy",
-                "must be replicated with a communication hook or hierarchical all-reduce (the sharded strategies "
-                "reduce-scatter their gradients)",
+                "must be replicated with a communication hook, hierarchical all-reduce or bucket autotuning (the "
+                "sharded strategies reduce-scatter their gradients in units of bucket_mb)",
                 strategy);
   check.Require(!comm.hierarchical() || c.partitioning().mesh().model() <= 1, "communication.hierarchical",
                 "must be false with a model axis above 1 (not supported yet)", comm.hierarchical());
@@ -322,7 +326,8 @@ absl::Status ValidateConfig(const config::TrainerConfig& c, int world_size) {
                 "must be false with the powersgd hook (it needs whole buckets; the hierarchy sends slices)",
                 comm.hierarchical());
   check.Require(!custom_comm || !c.fault_tolerance().enabled(), "fault_tolerance.enabled",
-                "must be false with a communication hook or hierarchical all-reduce (not supported yet)",
+                "must be false with a communication hook, hierarchical all-reduce or bucket autotuning (not supported "
+                "yet)",
                 c.fault_tolerance().enabled());
   if (c.fault_tolerance().enabled()) {
     const auto& f = c.fault_tolerance();

@@ -3,6 +3,7 @@
 #include <filesystem>
 #include <fstream>
 #include <memory>
+#include <vector>
 
 #include <unistd.h>
 
@@ -85,6 +86,12 @@ TrainerOptions ToTrainerOptions(const config::TrainerConfig& cfg) {
   o.data_parallel.comm_hook = MakeCommHook(comm.hook(), powersgd);
   o.data_parallel.hierarchical = comm.hierarchical();
   o.data_parallel.ranks_per_host = comm.ranks_per_host();
+  if (comm.autotune_buckets()) {
+    std::vector<double> sizes(comm.autotune_bucket_mb().begin(), comm.autotune_bucket_mb().end());
+    if (sizes.empty()) sizes = {1, 4, 16, 64};
+    for (double mb : sizes) o.data_parallel.autotune_bucket_bytes.push_back(static_cast<size_t>(mb * (1 << 20)));
+    o.data_parallel.autotune_steps = comm.autotune_steps();
+  }
   o.partitioning = ParsePartitioningStrategy(cfg.partitioning().strategy()).value_or(PartitioningStrategy::kReplicated);
   // Ranks must agree on the model, not on how they split it (a resumed run may
   // choose another strategy): the trainer's start-up check leaves it out.

@@ -9,11 +9,14 @@
 #include <algorithm>
 #include <array>
 #include <chrono>
+#include <cstdio>
 #include <map>
+#include <optional>
 #include <sstream>
 
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
+#include "absl/strings/str_format.h"
 #include "absl/strings/str_join.h"
 #include "absl/strings/str_split.h"
 #include "absl/time/time.h"
@@ -44,6 +47,16 @@ struct GradientBucketer::State {
   std::unique_ptr<Communicator> cross;
   std::string description;
   int64_t steps = 0;  // synchronised steps finished
+  // Bucket-size tuning (DataParallelOptions::autotune_bucket_bytes).
+  std::vector<size_t> agreed_order;  // the parameter order of the layout
+  std::vector<size_t> candidates;
+  size_t candidate = 0;  // being measured
+  int autotune_steps = 0;
+  bool tuning = false;
+  int settle = 0;  // intervals to skip after a new layout
+  std::optional<std::chrono::steady_clock::time_point> last_finish;
+  std::vector<double> intervals;
+  std::vector<double> medians;  // per candidate, the slowest rank's
   Timeline* timeline = nullptr;  // Not owned.
 
   bool tracing() const { return timeline != nullptr && timeline->recording(); }
@@ -140,8 +153,50 @@ struct GradientBucketer::State {
     communicator->Broadcast(order, 0, collective);
     std::vector<size_t> agreed(ready_order.size());
     for (size_t i = 0; i < agreed.size(); ++i) agreed[i] = static_cast<size_t>(order[i].item<int64_t>());
+    agreed_order = agreed;
+    if (tuning) {
+      bucket_bytes = candidates.front();
+      settle = 1;
+    }
     Layout(agreed);
     if (hook != nullptr) hook->OnLayoutChanged();
+  }
+
+  // After each synchronised step while tuning: the step's time; once a size has
+  // its steps, the slowest rank's median, and the next size (or the choice).
+  void Tune() {
+    const auto now = std::chrono::steady_clock::now();
+    if (last_finish && settle-- <= 0) intervals.push_back(std::chrono::duration<double>(now - *last_finish).count());
+    last_finish = now;
+    if (static_cast<int>(intervals.size()) < autotune_steps) return;
+    std::sort(intervals.begin(), intervals.end());
+    at::Tensor median = at::full({1}, intervals[intervals.size() / 2],
+                                 parameters.empty() ? at::TensorOptions(at::kDouble)
+                                                    : parameters.front().options().dtype(at::kDouble));
+    communicator->AllReduce(median, ReduceOp::kMax, collective);
+    medians.push_back(median.cpu().item<double>());
+    intervals.clear();
+    settle = 1;
+    if (++candidate < candidates.size()) {
+      bucket_bytes = candidates[candidate];
+      Layout(agreed_order);
+      if (hook != nullptr) hook->OnLayoutChanged();
+      return;
+    }
+    tuning = false;
+    const size_t best = std::min_element(medians.begin(), medians.end()) - medians.begin();
+    bucket_bytes = candidates[best];
+    Layout(agreed_order);
+    if (hook != nullptr) hook->OnLayoutChanged();
+    std::string result = "bucket autotune:";
+    for (size_t i = 0; i < candidates.size(); ++i) {
+      absl::StrAppend(&result, i > 0 ? "," : "",
+                      absl::StrFormat(" %.3g MiB %.1f ms", candidates[i] / 1048576.0, medians[i] * 1e3));
+    }
+    absl::StrAppend(&result, absl::StrFormat(" -> %.3g MiB (%d bucket(s))", bucket_bytes / 1048576.0,
+                                             static_cast<int>(buckets.size())));
+    absl::StrAppend(&description, "; ", result);
+    if (communicator->rank() == 0) std::printf("Communication: %s\n", result.c_str());
   }
 
   void Launch(size_t b) {
@@ -246,6 +301,15 @@ GradientBucketer::GradientBucketer(Communicator* communicator, std::vector<at::T
   s.views.resize(s.parameters.size());
   s.bucket_bytes = options.bucket_bytes;
   if (options.comm_hook) s.hook = options.comm_hook();
+  for (size_t bytes : options.autotune_bucket_bytes) {
+    if (bytes == 0) throw InvalidArgumentError("bucket autotune: a candidate size of 0 bytes");
+  }
+  if (!options.autotune_bucket_bytes.empty() && options.autotune_steps < 1) {
+    throw InvalidArgumentError(absl::StrCat("bucket autotune: autotune_steps must be >= 1, got ", options.autotune_steps));
+  }
+  s.candidates = options.autotune_bucket_bytes;
+  s.autotune_steps = options.autotune_steps;
+  s.tuning = !s.candidates.empty();
   if (options.hierarchical && communicator->world_size() > 1) s.SetUpHierarchy(options.ranks_per_host);
   s.description = absl::StrCat("gradient buckets: ", s.hook != nullptr ? s.hook->name() : "float32",
                                s.hook != nullptr ? " hook; " : " all-reduce; ",
@@ -312,7 +376,11 @@ void GradientBucketer::Finish() {
     }
   }
   ++s.steps;
-  if (!s.rebuilt) s.RebuildFromReadyOrder();
+  if (!s.rebuilt) {
+    s.RebuildFromReadyOrder();
+  } else if (s.tuning) {
+    s.Tune();
+  }
 }
 
 const std::vector<std::vector<size_t>>& GradientBucketer::buckets() const { return state_->layout; }

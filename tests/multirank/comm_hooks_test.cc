@@ -7,6 +7,7 @@
 #include <gmock/gmock.h>
 #include <gtest/gtest.h>
 
+#include <functional>
 #include <memory>
 #include <string>
 #include <vector>
@@ -221,6 +222,29 @@ TEST_F(CommHooksTest, HierarchicalAllReduceTrainsAsTheFlatOne) {
   hierarchical.ranks_per_host = 0;
   EXPECT_THAT(Train(comm_.get(), rank_, size_, hierarchical, 1).description,
               HasSubstr("hierarchical all-reduce off: every rank is on one host"));
+}
+
+TEST_F(CommHooksTest, BucketAutotuneTriesEachSizeAndKeepsTheFastestOnEveryRank) {
+  DataParallelOptions plain;
+  plain.bucket_bytes = 2048;
+  const Trained reference = Train(comm_.get(), rank_, size_, plain, 12);
+  DataParallelOptions tuned = plain;
+  tuned.autotune_bucket_bytes = {1024, size_t{1} << 20};
+  tuned.autotune_steps = 2;
+  // Step 1 rebuilds the layout; then each size for 1 + 2 steps (+ 1 before the first).
+  const Trained ours = Train(comm_.get(), rank_, size_, tuned, 12);
+  EXPECT_THAT(ours.description, ::testing::MatchesRegex(
+                                    ".*; bucket autotune: 0.000977 MiB [0-9.]+ ms, 1 MiB [0-9.]+ ms -> (0.000977|1) MiB "
+                                    "\\([0-9]+ bucket\\(s\\)\\)"));
+  ExpectReplicasIdentical(*comm_, ours.params);
+  // The sizes change how gradients are grouped, not what they sum to.
+  EXPECT_LE(MaxRelativeDifference(ours.params, reference.params), 1e-5);
+  // Every rank chose the same.
+  const std::string choice = ours.description.substr(ours.description.find("->"));
+  at::Tensor mine = at::full({1}, static_cast<int64_t>(std::hash<std::string>{}(choice) & 0xffffffff), at::kLong);
+  at::Tensor max = mine.clone();
+  comm_->AllReduce(max, ReduceOp::kMax);
+  EXPECT_EQ(max.item<int64_t>(), mine.item<int64_t>());
 }
 
 TEST_F(CommHooksTest, TheHierarchyRefusesPowerSgdAndRanksPerHostThatDoNotDivideTheWorld) {

@@ -167,6 +167,11 @@ TEST(ConfigTest, CommunicationAndTracingAreChecked) {
               HasSubstr("must be false with the powersgd hook"));
   EXPECT_THAT(on(2, "communication { hook: 'fp16' } fault_tolerance { enabled: true }").message(),
               HasSubstr("'fault_tolerance.enabled' must be false with a communication hook"));
+  EXPECT_TRUE(on(2, "communication { autotune_buckets: true autotune_bucket_mb: [0.5, 8] }").ok());
+  EXPECT_THAT(on(2, "communication { autotune_buckets: true autotune_bucket_mb: 0 }").message(),
+              HasSubstr("'communication.autotune_bucket_mb' must be sizes > 0"));
+  EXPECT_THAT(on(2, "communication { autotune_buckets: true } partitioning { strategy: 'fully_sharded' }").message(),
+              HasSubstr("bucket autotuning"));
   EXPECT_TRUE(on(1, "num_train_steps: 10 trace_steps: [1, 10]").ok());
   EXPECT_THAT(on(1, "num_train_steps: 10 trace_steps: 11").message(),
               HasSubstr("'trace_steps' must be steps in [1, num_train_steps = 10], got 11"));
