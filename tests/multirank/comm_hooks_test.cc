@@ -18,6 +18,7 @@
 #include "lockstep/errors.h"
 #include "lockstep/mpi_communicator.h"
 #include "lockstep/trainer.h"
+#include "tests/testing/mpi_ranks.h"
 #include "tests/testing/tiny_problem.h"
 
 namespace lockstep {
@@ -29,19 +30,13 @@ using testing::TinyDataset;
 using testing::TinyModel;
 using ::testing::HasSubstr;
 
-class CommHooksTest : public ::testing::Test {
+class CommHooksTest : public testing::MpiRanksTest {
  protected:
-  void SetUp() override {
+  MpiOptions Options() const override {
     MpiOptions options;
     options.thread_multiple = true;  // the hierarchy's groups run side by side
-    comm_ = MakeMpiCommunicator(options);
-    rank_ = comm_->rank();
-    size_ = comm_->world_size();
-    ASSERT_GE(size_, 2) << "run under mpirun with at least 2 ranks";
+    return options;
   }
-  std::unique_ptr<Communicator> comm_;
-  int rank_ = 0;
-  int size_ = 1;
 };
 
 // Rank r's values: not representable in 16 bits, different on every rank.

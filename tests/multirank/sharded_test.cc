@@ -16,6 +16,7 @@
 #include "lockstep/mpi_communicator.h"
 #include "lockstep/sharded_data_parallel.h"
 #include "lockstep/trainer.h"
+#include "tests/testing/mpi_ranks.h"
 #include "tests/testing/tiny_problem.h"
 
 namespace lockstep {
@@ -27,18 +28,7 @@ using testing::TinyDataset;
 using testing::TinyModel;
 using ::testing::HasSubstr;
 
-class ShardedTest : public ::testing::Test {
- protected:
-  void SetUp() override {
-    comm_ = MakeMpiCommunicator();
-    rank_ = comm_->rank();
-    size_ = comm_->world_size();
-    ASSERT_GE(size_, 2) << "run under mpirun with at least 2 ranks";
-  }
-  std::unique_ptr<Communicator> comm_;
-  int rank_ = 0;
-  int size_ = 1;
-};
+using ShardedTest = testing::MpiRanksTest;
 
 struct Case {
   PartitioningStrategy strategy;
