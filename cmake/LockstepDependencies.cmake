@@ -45,6 +45,20 @@ find_package(NCCL QUIET)
 cmake_dependent_option(LOCKSTEP_WITH_NCCL "Build the NCCL communicator (CUDA tensors)" ON
                        "CUDAToolkit_FOUND;NCCL_FOUND" OFF)
 
+# CBLAS (the fused causal attention's products on CPU, src/models/attention.cc):
+# the system BLAS, the one libtorch links too (libblas-dev's libblas.so; Debian
+# resolves libblas.so.3 to OpenBLAS when libopenblas0-pthread is installed).
+find_package(BLAS QUIET)
+find_path(LOCKSTEP_CBLAS_HEADER cblas.h)
+set(_have_cblas OFF)
+if(BLAS_FOUND AND TARGET BLAS::BLAS AND LOCKSTEP_CBLAS_HEADER)
+  set(_have_cblas ON)
+endif()
+option(LOCKSTEP_WITH_CBLAS "Fused causal attention on CPU through CBLAS (else ATen ops)" ${_have_cblas})
+if(LOCKSTEP_WITH_CBLAS AND NOT _have_cblas)
+  message(FATAL_ERROR "LOCKSTEP_WITH_CBLAS=ON but no BLAS library with cblas.h was found (libblas-dev)")
+endif()
+
 # Gloo (CPU tensors without mpirun): libtorch's c10d ProcessGroupGloo, whose
 # header needs Gloo's (libgloo-dev); libtorch links the same libgloo.
 find_path(LOCKSTEP_GLOO_HEADER gloo/config.h)

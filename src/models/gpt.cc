@@ -4,11 +4,11 @@
 #include <torch/nn/init.h>
 
 #include <cmath>
-#include <limits>
 #include <string>
 #include <vector>
 
 #include "absl/strings/str_cat.h"
+#include "lockstep/attention.h"
 #include "lockstep/communicator.h"
 #include "lockstep/errors.h"
 #include "lockstep/tensor_parallel.h"
@@ -81,23 +81,14 @@ GptBlockImpl::GptBlockImpl(const GptOptions& o, const GptParallelism& parallel)
 }
 
 at::Tensor GptBlockImpl::forward(const at::Tensor& x) {
-  const int64_t batch = x.size(0), length = x.size(1);
-  // This rank's heads: all of them, or num_heads / M when the model axis splits them.
-  const int64_t width = qkv_->weight.size(0) / 3;
-  const int64_t head = width / num_heads_;
+  // num_heads_: all heads, or num_heads / M when the model axis splits them.
   const bool train = is_training() && dropout_ > 0;
-  // Attention: [B, T, 3W] -> q, k, v as [B, H, T, head]. Without a model axis the
-  // parallel linears are plain at::linear.
-  const std::vector<at::Tensor> qkv =
-      ColumnParallelLinear(ln1_->forward(x), qkv_->weight, qkv_->bias, heads_axis_).split(width, 2);
-  auto heads = [&](const at::Tensor& t) { return t.view({batch, length, num_heads_, head}).transpose(1, 2); };
-  const at::Tensor q = heads(qkv[0]), k = heads(qkv[1]), v = heads(qkv[2]);
-  at::Tensor scores = at::matmul(q, k.transpose(-2, -1)) * (1.0 / std::sqrt(static_cast<double>(head)));
-  const at::Tensor future = at::ones({length, length}, x.options().dtype(at::kBool)).triu(1);
-  scores = scores.masked_fill(future, -std::numeric_limits<double>::infinity());
-  at::Tensor weights = at::softmax(scores, -1);
-  weights = at::dropout(weights, dropout_, train);
-  const at::Tensor attended = at::matmul(weights, v).transpose(1, 2).contiguous().view({batch, length, width});
+  // Attention on the fused [B, T, 3W] projection (attention.h). Without a model
+  // axis the parallel linears are plain at::linear. Dropout on the attention
+  // weights takes the ATen composite.
+  const at::Tensor qkv = ColumnParallelLinear(ln1_->forward(x), qkv_->weight, qkv_->bias, heads_axis_);
+  const at::Tensor attended =
+      train ? CausalSelfAttentionComposite(qkv, num_heads_, dropout_, train) : CausalSelfAttention(qkv, num_heads_);
   at::Tensor h = x + at::dropout(RowParallelLinear(attended, attn_proj_->weight, attn_proj_->bias, heads_axis_),
                                  dropout_, train);
   const at::Tensor up = at::gelu(ColumnParallelLinear(ln2_->forward(h), mlp_up_->weight, mlp_up_->bias, mlp_axis_));

@@ -16,6 +16,7 @@
 #include <string>
 #include <vector>
 
+#include "lockstep/attention.h"
 #include "lockstep/errors.h"
 #include "lockstep/metrics.h"
 #include "lockstep/train_state.h"
@@ -96,6 +97,36 @@ TEST(GptTest, LanguageModelLossIsEachExamplesMeanTokenCrossEntropy) {
     const double expected = at::cross_entropy_loss(logits[b], targets[b]).item<double>();
     EXPECT_NEAR(loss[b].item<double>(), expected, 1e-6);
   }
+}
+
+// The fused attention against the same maths in ATen ops, values and gradients,
+// on sizes that are not powers of two (7 tokens, 3 heads of 5).
+TEST(GptTest, FusedAttentionMatchesTheCompositeAndItsGradient) {
+  if (!FusedCausalSelfAttentionApplies(at::zeros({1, 1, 3}))) {
+    GTEST_SKIP() << "built without CBLAS (LOCKSTEP_WITH_CBLAS=OFF): the fused path is not built";
+  }
+  at::manual_seed(3);
+  const at::Tensor input = at::randn({4, 7, 45});
+  const at::Tensor fused_in = input.clone().requires_grad_(true);
+  const at::Tensor composite_in = input.clone().requires_grad_(true);
+  const at::Tensor fused = CausalSelfAttention(fused_in, 3);
+  const at::Tensor composite = CausalSelfAttentionComposite(composite_in, 3);
+  ASSERT_EQ(fused.sizes(), (std::vector<int64_t>{4, 7, 15}));
+  EXPECT_LT((fused - composite).abs().max().item<double>(), 1e-6);
+  const at::Tensor upstream = at::randn({4, 7, 15});
+  (fused * upstream).sum().backward();
+  (composite * upstream).sum().backward();
+  EXPECT_LT((fused_in.grad() - composite_in.grad()).abs().max().item<double>(), 1e-6);
+  // Causal: the first position's output is its own value, whatever follows.
+  EXPECT_TRUE(at::allclose(fused.select(1, 0), input.select(1, 0).narrow(1, 30, 15)));
+  // A non-contiguous input (a transposed view) gives the same.
+  const at::Tensor strided = input.transpose(0, 1).contiguous().transpose(0, 1);
+  ASSERT_FALSE(strided.is_contiguous());
+  EXPECT_TRUE(at::allclose(CausalSelfAttention(strided, 3), fused.detach()));
+  EXPECT_THAT([&] { CausalSelfAttention(at::zeros({2, 3, 45}), 2); },
+              ::testing::ThrowsMessage<InvalidArgumentError>(HasSubstr("2 heads do not divide the width 15")));
+  EXPECT_THAT([&] { CausalSelfAttention(at::zeros({2, 44}), 2); },
+              ::testing::ThrowsMessage<InvalidArgumentError>(HasSubstr("[batch, length, 3 width]")));
 }
 
 c10::impl::GenericDict ReadTorchSave(const std::string& path) {
