@@ -28,7 +28,7 @@ cd "$(dirname "${BASH_SOURCE[0]}")"
 BUILD_DIR=${BUILD_DIR:-build}
 PACKAGES=(
   cmake ninja-build g++ pkg-config zlib1g-dev
-  libtorch-dev libopenblas0-pthread
+  libtorch-dev libopenblas0-pthread libdnnl-dev
   libprotobuf-dev protobuf-compiler libgrpc++-dev protobuf-compiler-grpc libabsl-dev
   libopenmpi-dev openmpi-bin libgloo-dev
   libgtest-dev libgmock-dev libbenchmark-dev python3-protobuf

@@ -7,6 +7,7 @@
 
 #include <benchmark/benchmark.h>
 
+#include <cstdio>
 #include <map>
 #include <string>
 #include <utility>
@@ -50,6 +51,14 @@ inline std::map<std::string, double> RunBenchmarksForMedians() {
   benchmark::RunSpecifiedBenchmarks(&reporter);
   benchmark::Shutdown();
   return std::move(reporter.medians);
+}
+
+// Prints "<label> (median of repetitions): <ratio>" for two benchmarks of
+// `medians`, numerator over denominator, when both ran.
+inline void PrintMedianRatio(const std::map<std::string, double>& medians, const std::string& numerator,
+                             const std::string& denominator, const std::string& label) {
+  if (medians.count(numerator) == 0 || medians.count(denominator) == 0) return;
+  std::printf("%s (median of repetitions): %.4f\n", label.c_str(), medians.at(numerator) / medians.at(denominator));
 }
 
 }  // namespace lockstep

@@ -126,13 +126,9 @@ int main(int argc, char** argv) {
     return 2;
   }
   const std::map<std::string, double> m = lockstep::RunBenchmarksForMedians();
-  if (m.count("BM_Trainer") && m.count("BM_HandWrittenLoop")) {
-    std::printf("\nTrainer / hand-written step time (median of repetitions): %.4f\n",
-                m.at("BM_Trainer") / m.at("BM_HandWrittenLoop"));
-  }
-  if (m.count("BM_TrainerWritingEveryStep") && m.count("BM_Trainer")) {
-    std::printf("Trainer writing TensorBoard + JSONL every step / Trainer without writers: %.4f\n",
-                m.at("BM_TrainerWritingEveryStep") / m.at("BM_Trainer"));
-  }
+  std::printf("\n");
+  lockstep::PrintMedianRatio(m, "BM_Trainer", "BM_HandWrittenLoop", "Trainer / hand-written step time");
+  lockstep::PrintMedianRatio(m, "BM_TrainerWritingEveryStep", "BM_Trainer",
+                             "Trainer writing TensorBoard + JSONL every step / Trainer without writers");
   return 0;
 }

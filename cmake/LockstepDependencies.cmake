@@ -45,18 +45,13 @@ find_package(NCCL QUIET)
 cmake_dependent_option(LOCKSTEP_WITH_NCCL "Build the NCCL communicator (CUDA tensors)" ON
                        "CUDAToolkit_FOUND;NCCL_FOUND" OFF)
 
-# CBLAS (the fused causal attention's products on CPU, src/models/attention.cc):
-# the system BLAS, the one libtorch links too (libblas-dev's libblas.so; Debian
-# resolves libblas.so.3 to OpenBLAS when libopenblas0-pthread is installed).
-find_package(BLAS QUIET)
-find_path(LOCKSTEP_CBLAS_HEADER cblas.h)
-set(_have_cblas OFF)
-if(BLAS_FOUND AND TARGET BLAS::BLAS AND LOCKSTEP_CBLAS_HEADER)
-  set(_have_cblas ON)
-endif()
-option(LOCKSTEP_WITH_CBLAS "Fused causal attention on CPU through CBLAS (else ATen ops)" ${_have_cblas})
-if(LOCKSTEP_WITH_CBLAS AND NOT _have_cblas)
-  message(FATAL_ERROR "LOCKSTEP_WITH_CBLAS=ON but no BLAS library with cblas.h was found (libblas-dev)")
+# oneDNN (the fused CPU kernels of src/models: linear layers and causal
+# attention on its sgemm): libdnnl, which libtorch links too; headers and CMake
+# package from libdnnl-dev.
+find_package(dnnl CONFIG QUIET)
+option(LOCKSTEP_WITH_DNNL "Fused CPU linear and attention kernels on oneDNN's GEMM (else ATen ops)" ${dnnl_FOUND})
+if(LOCKSTEP_WITH_DNNL AND NOT dnnl_FOUND)
+  message(FATAL_ERROR "LOCKSTEP_WITH_DNNL=ON but oneDNN's CMake package was not found (install libdnnl-dev)")
 endif()
 
 # Gloo (CPU tensors without mpirun): libtorch's c10d ProcessGroupGloo, whose

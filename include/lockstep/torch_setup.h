@@ -38,6 +38,8 @@ int ConfigureTorchForTraining(int num_threads = 0);
 // the best of repeated runs over at least `min_seconds`: the peak that model FLOPs
 // utilisation (MFU) divides by. n <= 0 picks 512 on a CPU and 8192 on a GPU. Run
 // it on every rank at once to measure what each gets while the others compute too.
+// On a CPU it is the faster of libtorch's product and oneDNN's (cpu_gemm.h), which
+// Lockstep's Linear and attention use.
 double MeasureMatmulFlops(const std::string& device = "cpu", int64_t n = 0, double min_seconds = 0.5);
 
 // MeasureMatmulFlops on every rank of `communicator` at once (null: this process

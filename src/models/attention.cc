@@ -10,11 +10,8 @@
 #include <vector>
 
 #include "absl/strings/str_cat.h"
+#include "lockstep/cpu_gemm.h"
 #include "lockstep/errors.h"
-
-#if LOCKSTEP_HAVE_CBLAS
-#include <cblas.h>
-#endif
 
 namespace lockstep {
 namespace {
@@ -36,18 +33,10 @@ Shape CheckedShape(const at::Tensor& qkv, int64_t num_heads) {
   return {qkv.size(0), qkv.size(1), width, num_heads, width / num_heads};
 }
 
-#if LOCKSTEP_HAVE_CBLAS
-
 using torch::autograd::AutogradContext;
 using torch::autograd::variable_list;
 
-// Row-major C[m, n] = alpha op(A) op(B) + beta C, with leading dimensions.
-void Gemm(bool trans_a, bool trans_b, int64_t m, int64_t n, int64_t k, float alpha, const float* a, int64_t lda,
-          const float* b, int64_t ldb, float beta, float* c, int64_t ldc) {
-  cblas_sgemm(CblasRowMajor, trans_a ? CblasTrans : CblasNoTrans, trans_b ? CblasTrans : CblasNoTrans,
-              static_cast<int>(m), static_cast<int>(n), static_cast<int>(k), alpha, a, static_cast<int>(lda), b,
-              static_cast<int>(ldb), beta, c, static_cast<int>(ldc));
-}
+constexpr auto Gemm = CpuGemm;
 
 // Runs fn(example, head) for every pair, split over ATen's intra-op threads; each
 // pair touches its own rows and columns only.
@@ -130,26 +119,15 @@ struct FusedCausalAttention : public torch::autograd::Function<FusedCausalAttent
   }
 };
 
-#endif  // LOCKSTEP_HAVE_CBLAS
-
 }  // namespace
 
 bool FusedCausalSelfAttentionApplies(const at::Tensor& qkv) {
-#if LOCKSTEP_HAVE_CBLAS
-  return qkv.device().is_cpu() && qkv.scalar_type() == at::kFloat && qkv.dim() == 3 &&
-         qkv.size(1) * qkv.size(1) <= std::numeric_limits<int>::max() &&
-         qkv.size(1) * qkv.size(2) <= std::numeric_limits<int>::max();
-#else
-  (void)qkv;
-  return false;
-#endif
+  return HaveCpuGemm() && qkv.device().is_cpu() && qkv.scalar_type() == at::kFloat && qkv.dim() == 3;
 }
 
 at::Tensor CausalSelfAttention(const at::Tensor& qkv, int64_t num_heads) {
   CheckedShape(qkv, num_heads);
-#if LOCKSTEP_HAVE_CBLAS
   if (FusedCausalSelfAttentionApplies(qkv)) return FusedCausalAttention::apply(qkv, num_heads);
-#endif
   return CausalSelfAttentionComposite(qkv, num_heads);
 }
 

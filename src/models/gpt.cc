@@ -11,6 +11,7 @@
 #include "lockstep/attention.h"
 #include "lockstep/communicator.h"
 #include "lockstep/errors.h"
+#include "lockstep/linear.h"
 #include "lockstep/tensor_parallel.h"
 #include "lockstep/torch_setup.h"
 
@@ -83,16 +84,21 @@ GptBlockImpl::GptBlockImpl(const GptOptions& o, const GptParallelism& parallel)
 at::Tensor GptBlockImpl::forward(const at::Tensor& x) {
   // num_heads_: all heads, or num_heads / M when the model axis splits them.
   const bool train = is_training() && dropout_ > 0;
-  // Attention on the fused [B, T, 3W] projection (attention.h). Without a model
-  // axis the parallel linears are plain at::linear. Dropout on the attention
-  // weights takes the ATen composite.
-  const at::Tensor qkv = ColumnParallelLinear(ln1_->forward(x), qkv_->weight, qkv_->bias, heads_axis_);
+  // Without a model axis the parallel linears are plain linears: Linear (linear.h).
+  auto column = [](const at::Tensor& in, const torch::nn::Linear& l, Communicator* axis) {
+    return axis != nullptr ? ColumnParallelLinear(in, l->weight, l->bias, axis) : Linear(in, l->weight, l->bias);
+  };
+  auto row = [](const at::Tensor& in, const torch::nn::Linear& l, Communicator* axis) {
+    return axis != nullptr ? RowParallelLinear(in, l->weight, l->bias, axis) : Linear(in, l->weight, l->bias);
+  };
+  // Attention on the fused [B, T, 3W] projection (attention.h). Dropout on the
+  // attention weights takes the ATen composite.
+  const at::Tensor qkv = column(ln1_->forward(x), qkv_, heads_axis_);
   const at::Tensor attended =
       train ? CausalSelfAttentionComposite(qkv, num_heads_, dropout_, train) : CausalSelfAttention(qkv, num_heads_);
-  at::Tensor h = x + at::dropout(RowParallelLinear(attended, attn_proj_->weight, attn_proj_->bias, heads_axis_),
-                                 dropout_, train);
-  const at::Tensor up = at::gelu(ColumnParallelLinear(ln2_->forward(h), mlp_up_->weight, mlp_up_->bias, mlp_axis_));
-  return h + at::dropout(RowParallelLinear(up, mlp_down_->weight, mlp_down_->bias, mlp_axis_), dropout_, train);
+  at::Tensor h = x + at::dropout(row(attended, attn_proj_, heads_axis_), dropout_, train);
+  const at::Tensor up = at::gelu(column(ln2_->forward(h), mlp_up_, mlp_axis_));
+  return h + at::dropout(row(up, mlp_down_, mlp_axis_), dropout_, train);
 }
 
 LogicalAxes GptLogicalAxes(const std::string& name, int* blocks) {
@@ -208,7 +214,7 @@ at::Tensor GptImpl::forward(const at::Tensor& tokens) {
   x = at::dropout(x, options_.dropout, train);
   for (const auto& block : *blocks_) x = block->as<GptBlockImpl>()->forward(x);
   // The head is tied to the embedding: with a split vocabulary, this rank's columns.
-  return at::linear(CopyToModelParallel(ln_f_->forward(x), vocab_axis_), wte_->weight);
+  return Linear(CopyToModelParallel(ln_f_->forward(x), vocab_axis_), wte_->weight);
 }
 
 BuiltModel BuildGpt(const GptOptions& options, const GptParallelism& parallel) {

@@ -18,6 +18,7 @@
 
 #include "lockstep/attention.h"
 #include "lockstep/errors.h"
+#include "lockstep/linear.h"
 #include "lockstep/metrics.h"
 #include "lockstep/train_state.h"
 #include "tests/testing/temp_dir.h"
@@ -103,7 +104,7 @@ TEST(GptTest, LanguageModelLossIsEachExamplesMeanTokenCrossEntropy) {
 // on sizes that are not powers of two (7 tokens, 3 heads of 5).
 TEST(GptTest, FusedAttentionMatchesTheCompositeAndItsGradient) {
   if (!FusedCausalSelfAttentionApplies(at::zeros({1, 1, 3}))) {
-    GTEST_SKIP() << "built without CBLAS (LOCKSTEP_WITH_CBLAS=OFF): the fused path is not built";
+    GTEST_SKIP() << "built without oneDNN (LOCKSTEP_WITH_DNNL=OFF): the fused path is not built";
   }
   at::manual_seed(3);
   const at::Tensor input = at::randn({4, 7, 45});
@@ -127,6 +128,39 @@ TEST(GptTest, FusedAttentionMatchesTheCompositeAndItsGradient) {
               ::testing::ThrowsMessage<InvalidArgumentError>(HasSubstr("2 heads do not divide the width 15")));
   EXPECT_THAT([&] { CausalSelfAttention(at::zeros({2, 44}), 2); },
               ::testing::ThrowsMessage<InvalidArgumentError>(HasSubstr("[batch, length, 3 width]")));
+}
+
+// Linear (linear.h) against at::linear, values and every gradient, 3-D input,
+// with and without a bias.
+TEST(GptTest, LinearMatchesAtenLinearAndItsGradients) {
+  if (!FusedLinearApplies(at::zeros({1}), at::zeros({1, 1}))) {
+    GTEST_SKIP() << "built without oneDNN (LOCKSTEP_WITH_DNNL=OFF): Linear is at::linear";
+  }
+  at::manual_seed(4);
+  for (const bool with_bias : {true, false}) {
+    const at::Tensor x = at::randn({3, 5, 24}), w = at::randn({40, 24}), b = at::randn({40});
+    std::vector<at::Tensor> ours = {x.clone().requires_grad_(true), w.clone().requires_grad_(true),
+                                    b.clone().requires_grad_(true)};
+    std::vector<at::Tensor> theirs = {x.clone().requires_grad_(true), w.clone().requires_grad_(true),
+                                      b.clone().requires_grad_(true)};
+    const at::Tensor y = Linear(ours[0], ours[1], with_bias ? ours[2] : at::Tensor());
+    const at::Tensor expected = at::linear(theirs[0], theirs[1], with_bias ? theirs[2] : at::Tensor());
+    ASSERT_EQ(y.sizes(), (std::vector<int64_t>{3, 5, 40}));
+    EXPECT_LT((y - expected).abs().max().item<double>(), 1e-4) << "bias " << with_bias;
+    const at::Tensor upstream = at::randn({3, 5, 40});
+    (y * upstream).sum().backward();
+    (expected * upstream).sum().backward();
+    for (int i = 0; i < (with_bias ? 3 : 2); ++i) {
+      EXPECT_LT((ours[i].grad() - theirs[i].grad()).abs().max().item<double>(), 1e-4) << "input " << i;
+    }
+    if (!with_bias) {
+      EXPECT_FALSE(ours[2].grad().defined());
+    }
+  }
+  EXPECT_THAT([&] { Linear(at::zeros({2, 7}), at::zeros({4, 8})); },
+              ::testing::ThrowsMessage<InvalidArgumentError>(HasSubstr("do not fit")));
+  EXPECT_THAT([&] { Linear(at::zeros({2, 8}), at::zeros({4, 8}), at::zeros({3})); },
+              ::testing::ThrowsMessage<InvalidArgumentError>(HasSubstr("bias [3]")));
 }
 
 c10::impl::GenericDict ReadTorchSave(const std::string& path) {
