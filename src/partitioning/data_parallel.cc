@@ -89,8 +89,14 @@ struct GradientBucketer::State {
   std::vector<size_t> ready_order;
   bool rebuilt = false;
 
+  // Options for a small tensor of `dtype` on the parameters' device (collectives
+  // of a few values: a median, host-name hashes).
+  at::TensorOptions SmallOptions(at::ScalarType dtype) const {
+    return parameters.empty() ? at::TensorOptions(dtype) : parameters.front().options().dtype(dtype);
+  }
+
   // Groups the parameters, in `order`, into buckets of at most bucket_bytes (a new
-  // bucket also when the dtype changes).
+  // bucket also when the dtype changes), and tells the hook that buckets changed.
   void Layout(const std::vector<size_t>& order) {
     buckets.clear();
     layout.clear();
@@ -138,6 +144,7 @@ struct GradientBucketer::State {
       layout.push_back(bucket.params);
     }
     readiness->SetGroups(layout);
+    if (hook != nullptr) hook->OnLayoutChanged();
   }
 
   // After the first synchronised step: every rank takes rank 0's ready order.
@@ -159,7 +166,6 @@ struct GradientBucketer::State {
       settle = 1;
     }
     Layout(agreed);
-    if (hook != nullptr) hook->OnLayoutChanged();
   }
 
   // After each synchronised step while tuning: the step's time; once a size has
@@ -170,9 +176,7 @@ struct GradientBucketer::State {
     last_finish = now;
     if (static_cast<int>(intervals.size()) < autotune_steps) return;
     std::sort(intervals.begin(), intervals.end());
-    at::Tensor median = at::full({1}, intervals[intervals.size() / 2],
-                                 parameters.empty() ? at::TensorOptions(at::kDouble)
-                                                    : parameters.front().options().dtype(at::kDouble));
+    at::Tensor median = at::full({1}, intervals[intervals.size() / 2], SmallOptions(at::kDouble));
     communicator->AllReduce(median, ReduceOp::kMax, collective);
     medians.push_back(median.cpu().item<double>());
     intervals.clear();
@@ -180,14 +184,12 @@ struct GradientBucketer::State {
     if (++candidate < candidates.size()) {
       bucket_bytes = candidates[candidate];
       Layout(agreed_order);
-      if (hook != nullptr) hook->OnLayoutChanged();
       return;
     }
     tuning = false;
     const size_t best = std::min_element(medians.begin(), medians.end()) - medians.begin();
     bucket_bytes = candidates[best];
     Layout(agreed_order);
-    if (hook != nullptr) hook->OnLayoutChanged();
     std::string result = "bucket autotune:";
     for (size_t i = 0; i < candidates.size(); ++i) {
       absl::StrAppend(&result, i > 0 ? "," : "",
@@ -248,8 +250,7 @@ struct GradientBucketer::State {
       // Every rank's host name, as a hash, from every rank.
       std::array<char, 256> name{};
       if (gethostname(name.data(), name.size() - 1) != 0) name[0] = '\0';
-      const at::TensorOptions options =
-          parameters.empty() ? at::TensorOptions(at::kLong) : parameters.front().options().dtype(at::kLong);
+      const at::TensorOptions options = SmallOptions(at::kLong);
       at::Tensor all = at::empty({world}, options);
       communicator->AllGather(all, at::full({1}, static_cast<int64_t>(StableHash(name.data())), options), collective);
       const at::Tensor hashes = all.cpu();
