@@ -10,6 +10,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "lockstep/errors.h"
+#include "lockstep/json.h"
 #include "proto/tensorboard.pb.h"
 
 namespace lockstep {
@@ -27,23 +28,6 @@ std::FILE* OpenOrThrow(const std::string& path, const char* mode) {
 
 void AppendLittleEndian(std::string* out, uint64_t value, int bytes) {
   for (int i = 0; i < bytes; ++i) out->push_back(static_cast<char>((value >> (8 * i)) & 0xFF));
-}
-
-std::string JsonString(const std::string& s) {
-  std::string out = "\"";
-  for (const char c : s) {
-    if (c == '"' || c == '\\') {
-      out += '\\';
-      out += c;
-    } else if (static_cast<unsigned char>(c) < 0x20) {
-      char escaped[8];
-      std::snprintf(escaped, sizeof(escaped), "\\u%04x", c);
-      out += escaped;
-    } else {
-      out += c;
-    }
-  }
-  return out + "\"";
 }
 
 }  // namespace
@@ -97,7 +81,7 @@ JsonlWriter::~JsonlWriter() {
 }
 
 void JsonlWriter::operator()(const Summary& summary) {
-  std::string line = absl::StrCat("{\"step\": ", summary.step, ", \"task\": ", JsonString(summary.task));
+  std::string line = absl::StrCat("{\"step\": ", summary.step, ", \"task\": ", JsonQuote(summary.task));
   for (const auto& [name, value] : summary.metrics) {
     char number[32];
     if (std::isfinite(value)) {
@@ -105,7 +89,7 @@ void JsonlWriter::operator()(const Summary& summary) {
     } else {
       std::snprintf(number, sizeof(number), "null");
     }
-    absl::StrAppend(&line, ", ", JsonString(name), ": ", number);
+    absl::StrAppend(&line, ", ", JsonQuote(name), ": ", number);
   }
   line += "}\n";
   if (std::fwrite(line.data(), 1, line.size(), file_) != line.size() || std::fflush(file_) != 0) {

@@ -7,6 +7,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "lockstep/errors.h"
+#include "lockstep/json.h"
 
 namespace lockstep {
 
@@ -14,17 +15,6 @@ namespace {
 
 int64_t Microseconds(Timeline::Clock::time_point t) {
   return std::chrono::duration_cast<std::chrono::microseconds>(t.time_since_epoch()).count();
-}
-
-// A JSON string literal (names are ours: letters, digits, spaces, a few signs;
-// quotes and backslashes escaped all the same).
-std::string Quote(const std::string& text) {
-  std::string out = "\"";
-  for (char c : text) {
-    if (c == '"' || c == '\\') out += '\\';
-    if (static_cast<unsigned char>(c) >= 0x20) out += c;
-  }
-  return out + "\"";
 }
 
 }  // namespace
@@ -66,12 +56,12 @@ void Timeline::Write() const {
     for (int track = 0; track <= max_track_; ++track) {
       const std::string name = track == 0 ? "step" : track == 1 ? "training thread" : absl::StrCat("bucket ", track - 2);
       out << ",\n{\"name\": \"thread_name\", \"ph\": \"M\", \"pid\": " << rank_ << ", \"tid\": " << track
-          << ", \"args\": {\"name\": " << Quote(name) << "}}";
+          << ", \"args\": {\"name\": " << JsonQuote(name) << "}}";
       out << ",\n{\"name\": \"thread_sort_index\", \"ph\": \"M\", \"pid\": " << rank_ << ", \"tid\": " << track
           << ", \"args\": {\"sort_index\": " << track << "}}";
     }
     for (const Span& s : spans_) {
-      out << ",\n{\"name\": " << Quote(s.name) << ", \"ph\": \"X\", \"pid\": " << rank_ << ", \"tid\": " << s.track
+      out << ",\n{\"name\": " << JsonQuote(s.name) << ", \"ph\": \"X\", \"pid\": " << rank_ << ", \"tid\": " << s.track
           << ", \"ts\": " << s.start_us << ", \"dur\": " << s.duration_us;
       if (!s.args_json.empty()) out << ", \"args\": {" << s.args_json << "}";
       out << "}";

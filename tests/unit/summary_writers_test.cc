@@ -11,6 +11,7 @@
 #include <thread>
 
 #include "lockstep/errors.h"
+#include "lockstep/json.h"
 #include "lockstep/summary_writers.h"
 #include "proto/tensorboard.pb.h"
 #include "tests/testing/temp_dir.h"
@@ -88,6 +89,13 @@ TEST(JsonlWriterTest, OneObjectPerSummary) {
   EXPECT_EQ(ReadFile(dir.path() + "/metrics.jsonl"),
             "{\"step\": 10, \"task\": \"train\", \"loss\": 0.25, \"weird\": null}\n"
             "{\"step\": 20, \"task\": \"te\\\"st\", \"accuracy\": 1}\n");
+}
+
+TEST(JsonQuoteTest, EscapesQuotesBackslashesAndControlCharacters) {
+  EXPECT_EQ(JsonQuote("plain name"), "\"plain name\"");
+  EXPECT_EQ(JsonQuote("a\"b\\c"), "\"a\\\"b\\\\c\"");
+  EXPECT_EQ(JsonQuote(std::string("tab\tnew\nnul") + '\0'), "\"tab\\u0009new\\u000anul\\u0000\"");
+  EXPECT_EQ(JsonQuote("h\xc3\xa9"), "\"h\xc3\xa9\"");  // UTF-8 passes through
 }
 
 TEST(WritersTest, UnwritableDirectoryIsAnErrorNamingThePath) {
