@@ -33,7 +33,9 @@ slurm_start_munged() {
 # slurm_conf_common WORK PLUGIN_DIR: the slurm.conf lines both tests share (munge
 # at WORK/run/munge.sock, state and logs under WORK, no accounting, requeue on,
 # a 2 s scheduler, a requeued job held back 10 s). The caller adds the cluster's
-# name, hosts, ports, spool and pid files, nodes and partition.
+# name, hosts, ports, spool and pid files, nodes and partition. Side effect: it
+# also creates an empty WORK/plugstack.conf, which PlugStackConfig names (no SPANK
+# plugins; without it, Slurm reads the system's /etc/slurm/plugstack.conf).
 slurm_conf_common() {
   local work=$1 plugin_dir=$2
   cat <<EOF
