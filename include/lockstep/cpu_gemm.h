@@ -11,9 +11,6 @@
 //
 // Thread-safe (oneDNN is); each call uses the caller's OpenMP thread count, which
 // at::set_num_threads sets.
-//
-// Thread-safe (oneDNN is); each call uses the caller's OpenMP thread count, which
-// at::set_num_threads sets.
 #ifndef LOCKSTEP_CPU_GEMM_H_
 #define LOCKSTEP_CPU_GEMM_H_
 

@@ -1,7 +1,7 @@
 // y = x W^T + b (as at::linear) with its own backward; on CPU float32 the three
 // products (forward, input gradient, weight gradient) run on oneDNN's GEMM, whose
 // run-time generated kernels use the CPU's widest vector instructions, where
-// libtorch would call the system BLAS (src/models/cpu_gemm.h says why that
+// libtorch would call the system BLAS (lockstep/cpu_gemm.h says why that
 // matters). Other devices and dtypes, and builds without oneDNN, call at::linear.
 //
 //   input [..., in], weight [out, in], bias [out] or undefined -> [..., out]

@@ -36,8 +36,6 @@ Shape CheckedShape(const at::Tensor& qkv, int64_t num_heads) {
 using torch::autograd::AutogradContext;
 using torch::autograd::variable_list;
 
-constexpr auto Gemm = CpuGemm;
-
 // Runs fn(example, head) for every pair, split over ATen's intra-op threads; each
 // pair touches its own rows and columns only.
 template <typename Fn>
@@ -60,7 +58,7 @@ struct FusedCausalAttention : public torch::autograd::Function<FusedCausalAttent
     ForEachHead(s, [&](int64_t b, int64_t h) {
       const float* q = base + b * t * row + h * s.head;
       float* out = scores_data + (b * s.heads + h) * t * t;
-      Gemm(false, true, t, t, s.head, scale, q, row, q + s.width, row, 0.f, out, t);
+      CpuGemm(false, true, t, t, s.head, scale, q, row, q + s.width, row, 0.f, out, t);
       for (int64_t i = 0; i < t; ++i) {
         std::fill(out + i * t + i + 1, out + (i + 1) * t, -std::numeric_limits<float>::infinity());
       }
@@ -72,8 +70,8 @@ struct FusedCausalAttention : public torch::autograd::Function<FusedCausalAttent
     float* out_data = out.data_ptr<float>();
     ForEachHead(s, [&](int64_t b, int64_t h) {
       const float* v = base + b * t * row + 2 * s.width + h * s.head;
-      Gemm(false, false, t, s.head, t, 1.f, weights_data + (b * s.heads + h) * t * t, t, v, row, 0.f,
-           out_data + b * t * s.width + h * s.head, s.width);
+      CpuGemm(false, false, t, s.head, t, 1.f, weights_data + (b * s.heads + h) * t * t, t, v, row, 0.f,
+              out_data + b * t * s.width + h * s.head, s.width);
     });
     ctx->save_for_backward({qkv, weights});
     ctx->saved_data["heads"] = num_heads;
@@ -100,9 +98,9 @@ struct FusedCausalAttention : public torch::autograd::Function<FusedCausalAttent
       const int64_t offset = b * t * row + 2 * s.width + h * s.head;
       const float* p = weights_data + (b * s.heads + h) * t * t;
       const float* dout = grad_out_data + b * t * s.width + h * s.head;
-      Gemm(true, false, t, s.head, t, 1.f, p, t, dout, s.width, 0.f, grad_base + offset, row);
-      Gemm(false, true, t, t, s.head, 1.f, dout, s.width, base + offset, row, 0.f,
-           grad_weights_data + (b * s.heads + h) * t * t, t);
+      CpuGemm(true, false, t, s.head, t, 1.f, p, t, dout, s.width, 0.f, grad_base + offset, row);
+      CpuGemm(false, true, t, t, s.head, 1.f, dout, s.width, base + offset, row, 0.f,
+              grad_weights_data + (b * s.heads + h) * t * t, t);
     });
     // dS = P * (dP - rowsum(dP * P)); zero where P is (the masked future).
     const at::Tensor grad_scores = at::_softmax_backward_data(grad_weights, weights, -1, at::kFloat);
@@ -112,8 +110,8 @@ struct FusedCausalAttention : public torch::autograd::Function<FusedCausalAttent
     ForEachHead(s, [&](int64_t b, int64_t h) {
       const int64_t offset = b * t * row + h * s.head;
       const float* ds = grad_scores_data + (b * s.heads + h) * t * t;
-      Gemm(false, false, t, s.head, t, scale, ds, t, base + offset + s.width, row, 0.f, grad_base + offset, row);
-      Gemm(true, false, t, s.head, t, scale, ds, t, base + offset, row, 0.f, grad_base + offset + s.width, row);
+      CpuGemm(false, false, t, s.head, t, scale, ds, t, base + offset + s.width, row, 0.f, grad_base + offset, row);
+      CpuGemm(true, false, t, s.head, t, scale, ds, t, base + offset, row, 0.f, grad_base + offset + s.width, row);
     });
     return {grad_qkv, at::Tensor()};
   }
@@ -126,7 +124,7 @@ bool FusedCausalSelfAttentionApplies(const at::Tensor& qkv) {
 }
 
 at::Tensor CausalSelfAttention(const at::Tensor& qkv, int64_t num_heads) {
-  CheckedShape(qkv, num_heads);
+  // Both paths check the shape and name what does not fit.
   if (FusedCausalSelfAttentionApplies(qkv)) return FusedCausalAttention::apply(qkv, num_heads);
   return CausalSelfAttentionComposite(qkv, num_heads);
 }
