@@ -5,7 +5,11 @@
 // - the fused causal self-attention (lockstep/attention.h) against the same maths
 //   in ATen ops (CausalSelfAttentionComposite);
 // - Linear (lockstep/linear.h, oneDNN's products) against at::linear (the system
-//   BLAS), width to 4 width, as the MLP's first layer.
+//   BLAS), width to 4 width, as the MLP's first layer;
+// - HalfPrecisionHook's work on a CPU (src/partitioning/half_kernel.h): rounding a
+//   bucket of the wide MLP's 25.2 M float32 gradients to bf16 / fp16, and summing
+//   two ranks' 16-bit values into float32, against libtorch's casts and mixed-dtype
+//   add_ (what the hook ran before).
 //
 //   build/benchmarks/cpu_kernels_benchmark [--benchmark_repetitions=N]
 #include <ATen/ATen.h>
@@ -22,6 +26,7 @@
 #include "lockstep/attention.h"
 #include "lockstep/linear.h"
 #include "lockstep/torch_setup.h"
+#include "src/partitioning/half_kernel.h"
 
 namespace lockstep {
 namespace {
@@ -86,10 +91,49 @@ void BM_Linear(benchmark::State& bench) {
   });
 }
 
+// The 16-bit round trip of one bucket on 2 ranks: this rank's values rounded, then
+// its and the peer's (here the same) widened and summed in float32, rank order.
+constexpr int64_t kBucket = 25175040;  // the wide MLP's parameters
+
+template <at::ScalarType kDtype>
+void BM_AtenHalf(benchmark::State& bench) {
+  at::set_num_threads(1);
+  const at::Tensor buffer = at::randn({kBucket}), sum = at::empty({kBucket});
+  for (auto _ : bench) {
+    const at::Tensor compressed = buffer.to(kDtype);
+    sum.copy_(compressed);
+    sum.add_(compressed);
+    benchmark::DoNotOptimize(sum.data_ptr());
+  }
+}
+
+template <at::ScalarType kDtype>
+void BM_Half(benchmark::State& bench) {
+  const internal::HalfFormat format =
+      kDtype == at::kBFloat16 ? internal::HalfFormat::kBFloat16 : internal::HalfFormat::kHalf;
+  if (!internal::HaveHalfKernel(format)) {
+    bench.SkipWithError("no half kernel on this CPU (needs F16C)");
+    return;
+  }
+  const at::Tensor buffer = at::randn({kBucket}), sum = at::empty({kBucket});
+  for (auto _ : bench) {
+    const at::Tensor compressed = at::empty({kBucket}, at::kHalf);
+    auto* bits = reinterpret_cast<uint16_t*>(compressed.data_ptr());
+    internal::RoundToHalf(format, buffer.data_ptr<float>(), bits, kBucket);
+    const uint16_t* parts[2] = {bits, bits};
+    internal::SumHalves(format, parts, 2, sum.data_ptr<float>(), kBucket);
+    benchmark::DoNotOptimize(sum.data_ptr());
+  }
+}
+
 BENCHMARK(BM_Composite)->Unit(benchmark::kMillisecond)->MinTime(1.0)->UseRealTime();
 BENCHMARK(BM_Fused)->Unit(benchmark::kMillisecond)->MinTime(1.0)->UseRealTime();
 BENCHMARK(BM_AtenLinear)->Unit(benchmark::kMillisecond)->MinTime(1.0)->UseRealTime();
 BENCHMARK(BM_Linear)->Unit(benchmark::kMillisecond)->MinTime(1.0)->UseRealTime();
+BENCHMARK(BM_AtenHalf<at::kBFloat16>)->Unit(benchmark::kMillisecond)->MinTime(1.0)->UseRealTime();
+BENCHMARK(BM_Half<at::kBFloat16>)->Unit(benchmark::kMillisecond)->MinTime(1.0)->UseRealTime();
+BENCHMARK(BM_AtenHalf<at::kHalf>)->Unit(benchmark::kMillisecond)->MinTime(1.0)->UseRealTime();
+BENCHMARK(BM_Half<at::kHalf>)->Unit(benchmark::kMillisecond)->MinTime(1.0)->UseRealTime();
 
 }  // namespace
 }  // namespace lockstep
@@ -104,5 +148,9 @@ int main(int argc, char** argv) {
   std::printf("\n");
   lockstep::PrintMedianRatio(m, "BM_Fused", "BM_Composite", "fused / ATen composite attention, forward + backward");
   lockstep::PrintMedianRatio(m, "BM_Linear", "BM_AtenLinear", "Linear (oneDNN) / at::linear, forward + backward");
+  lockstep::PrintMedianRatio(m, "BM_Half<at::kBFloat16>", "BM_AtenHalf<at::kBFloat16>",
+                             "bf16 hook's round + 2-rank sum, vectorised / libtorch");
+  lockstep::PrintMedianRatio(m, "BM_Half<at::kHalf>", "BM_AtenHalf<at::kHalf>",
+                             "fp16 hook's round + 2-rank sum, vectorised / libtorch");
   return 0;
 }
