@@ -4,6 +4,7 @@
 #include <cstring>
 
 #if defined(__GNUC__) && defined(__x86_64__)
+#include <cpuid.h>
 #include <immintrin.h>
 #endif
 
@@ -101,7 +102,9 @@ __attribute__((target("avx2"))) void SumBFloat16Avx2(const uint16_t* const* part
 
 bool HaveF16c() {
   __builtin_cpu_init();
-  return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("f16c");
+  // Clang's __builtin_cpu_supports does not know "f16c": ask CPUID leaf 1 (ECX).
+  unsigned eax = 0, ebx = 0, ecx = 0, edx = 0;
+  return __builtin_cpu_supports("avx2") && __get_cpuid(1, &eax, &ebx, &ecx, &edx) != 0 && (ecx & bit_F16C) != 0;
 }
 #endif
 
