@@ -116,6 +116,12 @@ trains() {  # the lockstep_train processes left on the cluster's hosts
 fault_leg() {  # fault_leg cut|lose: sets ranks_end, all_end, code
   local kind=$1 out=$work/$1 runner fault_at left
   (code=0
+   # Cut off from mpirun, node1's Open MPI daemon ends its ranks once its TCP
+   # keepalive gives up (about 5 s with launch/mpirun.sh's settings); on a loaded
+   # machine that can come before the ranks' own 3 s heartbeat timeout, and they
+   # die unheard. The cut leg gives the daemons longer, so that what it checks is
+   # the ranks' own detection and what they say of it.
+   [[ $kind == cut ]] && export OMPI_MCA_oob_tcp_keepalive_time=10
    mpirun_on_node0 node0:2,node1:2 "$out" "$out.log" \
      ",num_train_steps=100000,coordination.heartbeat_timeout_seconds=$hb" || code=$?
    echo "$code" > "$out.rc") &
