@@ -80,7 +80,7 @@ std::shared_ptr<Work> HalfPrecisionHook::Run(Communicator& communicator, const G
   const internal::HalfFormat format =
       dtype_ == at::kBFloat16 ? internal::HalfFormat::kBFloat16 : internal::HalfFormat::kHalf;
   // A float32 bucket on the CPU takes the vectorised loops of half_kernel.h (the
-  // same bits as libtorch's casts, many times faster); anything else libtorch's.
+  // same bits as libtorch's casts, in about half the time); anything else libtorch's.
   const bool kernel = buffer.device().is_cpu() && buffer.scalar_type() == at::kFloat && buffer.is_contiguous() &&
                       internal::HaveHalfKernel(format);
   // Every backend moves 16-bit floats as they are in an all-gather when they

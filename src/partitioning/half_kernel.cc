@@ -106,6 +106,12 @@ bool HaveF16c() {
   unsigned eax = 0, ebx = 0, ecx = 0, edx = 0;
   return __builtin_cpu_supports("avx2") && __get_cpuid(1, &eax, &ebx, &ecx, &edx) != 0 && (ecx & bit_F16C) != 0;
 }
+
+// Asked once per process.
+bool UseF16c() {
+  static const bool f16c = HaveF16c();
+  return f16c;
+}
 #endif
 
 }  // namespace
@@ -113,8 +119,7 @@ bool HaveF16c() {
 bool HaveHalfKernel(HalfFormat format) {
   if (format == HalfFormat::kBFloat16) return true;
 #ifdef LOCKSTEP_HALF_F16C
-  static const bool f16c = HaveF16c();
-  return f16c;
+  return UseF16c();
 #else
   return false;
 #endif
@@ -122,16 +127,14 @@ bool HaveHalfKernel(HalfFormat format) {
 
 void RoundToHalf(HalfFormat format, const float* src, uint16_t* dst, int64_t n) {
 #ifdef LOCKSTEP_HALF_F16C
-  static const bool f16c = HaveF16c();
-  if (f16c) return format == HalfFormat::kBFloat16 ? RoundBFloat16Avx2(src, dst, n) : RoundHalfF16c(src, dst, n);
+  if (UseF16c()) return format == HalfFormat::kBFloat16 ? RoundBFloat16Avx2(src, dst, n) : RoundHalfF16c(src, dst, n);
 #endif
   RoundBFloat16(src, dst, n);  // HaveHalfKernel keeps half away from here
 }
 
 void SumHalves(HalfFormat format, const uint16_t* const* parts, int count, float* out, int64_t n) {
 #ifdef LOCKSTEP_HALF_F16C
-  static const bool f16c = HaveF16c();
-  if (f16c) return format == HalfFormat::kBFloat16 ? SumBFloat16Avx2(parts, count, out, n)
+  if (UseF16c()) return format == HalfFormat::kBFloat16 ? SumBFloat16Avx2(parts, count, out, n)
                                                    : SumHalfF16c(parts, count, out, n);
 #endif
   Sum(parts, count, out, n, FromBFloat16);
