@@ -19,6 +19,7 @@
 #include "absl/time/clock.h"
 #include "coordination_internal.h"
 #include "lockstep/coordination.h"
+#include "lockstep/host.h"
 #include "proto/coordination.grpc.pb.h"
 
 namespace lockstep {
@@ -33,12 +34,6 @@ absl::Status FromGrpc(const grpc::Status& status) {
 
 std::chrono::system_clock::time_point Deadline(absl::Duration d) {
   return absl::ToChronoTime(absl::Now() + d);
-}
-
-std::string LocalHostName() {
-  char name[256] = {};
-  if (gethostname(name, sizeof(name) - 1) != 0) return "unknown";
-  return name;
 }
 
 class Client final : public CoordinationClient {
@@ -56,7 +51,7 @@ class Client final : public CoordinationClient {
     }
     if (options_.token.empty()) return absl::InvalidArgumentError("the job token is empty");
     if (auto split = SplitHostPort(options_.address); !split.ok()) return split.status();
-    if (options_.host.empty()) options_.host = LocalHostName();
+    if (options_.host.empty()) options_.host = HostName();
     if (options_.pid == 0) options_.pid = getpid();
     if (options_.incarnation == 0) {
       std::random_device entropy;

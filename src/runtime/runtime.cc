@@ -1,7 +1,5 @@
 #include "lockstep/runtime.h"
 
-#include <unistd.h>
-
 #include <array>
 #include <cstdlib>
 #include <vector>
@@ -10,6 +8,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
 #include "lockstep/errors.h"
+#include "lockstep/host.h"
 
 namespace lockstep {
 namespace {
@@ -26,12 +25,6 @@ constexpr std::array<Source, 3> kSources = {{
     {"slurm", "SLURM_PROCID", "SLURM_NTASKS", "SLURM_LOCALID"},
     {"torchrun", "RANK", "WORLD_SIZE", "LOCAL_RANK"},
 }};
-
-std::string HostName() {
-  std::array<char, 256> name{};
-  if (gethostname(name.data(), name.size() - 1) != 0) return "unknown-host";
-  return name.data();
-}
 
 int ParseInt(const Runtime::Lookup& lookup, const char* name, int min) {
   const std::string value = lookup(name).value_or("");
