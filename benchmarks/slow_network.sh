@@ -5,9 +5,10 @@
 #
 #   sudo benchmarks/slow_network.sh [BUILD_DIR]     (./dev.sh slow-network)
 #
-# Environment: RATES (default "1gbit 10gbit"), MODEL (wide_mlp), BATCH (examples
-# per rank, 32), STEPS (timed steps per phase, 8), OUT (a folder for the JSON lines, default
-# BUILD_DIR/slow_network). For each rate, 2 hosts x 1 rank and 2 hosts x 2 ranks:
+# Environment: RATES (default "1gbit 10gbit"), LAYOUTS (default "2x1 2x2"), MODEL
+# (wide_mlp), BATCH (examples per rank, 32), STEPS (timed steps per phase, 8), OUT (a
+# folder for the JSON lines, default BUILD_DIR/slow_network). For each rate, 2 hosts x
+# 1 rank and 2 hosts x 2 ranks:
 # - the all-reduce's bus bandwidth between the hosts (scaleout_benchmark
 #   --mode=collectives, 16 MiB, MPI's and Lockstep's), against the link rate;
 # - each framework's step time with and without communication (DDP's no_sync,
@@ -20,6 +21,11 @@ set -euo pipefail
 source_dir=$(cd "$(dirname "$0")/.." && pwd)
 build=${1:-$source_dir/build}
 rates=${RATES:-"1gbit 10gbit"}
+layouts=${LAYOUTS:-"2x1 2x2"}
+for layout in $layouts; do
+  [[ $layout == 2x1 || $layout == 2x2 ]] || { echo "slow_network: LAYOUTS: '$layout' is neither 2x1 nor 2x2" >&2; exit 2; }
+done
+has_layout() { [[ " $layouts " == *" $1 "* ]]; }
 model=${MODEL:-wide_mlp}
 batch=${BATCH:-32}
 steps=${STEPS:-8}
@@ -118,24 +124,30 @@ for rate in $rates; do
   cluster_limit node0 "$rate"
   cluster_limit node1 "$rate"
   echo "== $rate =="
-  # Bus bandwidth between the hosts, 2 x 1.
-  before=$(link_bytes)
-  mpirun_hosts node0:1,node1:1 2 "$build/benchmarks/scaleout_benchmark" --mode=collectives --sizes=16777216 \
-    > "$work/coll-$rate.json" 2> "$work/coll-$rate.err" || { cat "$work/coll-$rate.err" >&2; exit 1; }
-  record "$rate" 2x1 collectives "$before" "$work/coll-$rate.json"
-  for hook in none bf16 fp16 powersgd; do
-    lockstep_train "$rate" 2x1 node0:1,node1:1 2 "lockstep-$hook" --comm_hook=$hook
-  done
-  ddp_train "$rate" 2x1 1 ddp-none --hook none
-  ddp_train "$rate" 2x1 1 ddp-fp16 --hook fp16
-  # DDP's PowerSGD hook aborts in Debian's gloo when several buckets are in flight
-  # (gloo::EnforceNotMet ... op.preamble.length <= op.nbytes); with the whole
-  # model in one bucket it runs.
-  ddp_train "$rate" 2x1 1 ddp-powersgd --hook powersgd --bucket-mb 200
-  lockstep_train "$rate" 2x2 node0:2,node1:2 4 lockstep-flat
-  lockstep_train "$rate" 2x2 node0:2,node1:2 4 lockstep-hierarchical --hierarchical
-  lockstep_train "$rate" 2x2 node0:2,node1:2 4 lockstep-hierarchical-bf16 --hierarchical --comm_hook=bf16
-  ddp_train "$rate" 2x2 2 ddp-none --hook none
+  if has_layout 2x1; then
+    # Bus bandwidth between the hosts, 2 x 1.
+    before=$(link_bytes)
+    mpirun_hosts node0:1,node1:1 2 "$build/benchmarks/scaleout_benchmark" --mode=collectives --sizes=16777216 \
+      > "$work/coll-$rate.json" 2> "$work/coll-$rate.err" || { cat "$work/coll-$rate.err" >&2; exit 1; }
+    record "$rate" 2x1 collectives "$before" "$work/coll-$rate.json"
+    for hook in none bf16 fp16 powersgd; do
+      lockstep_train "$rate" 2x1 node0:1,node1:1 2 "lockstep-$hook" --comm_hook=$hook
+    done
+    ddp_train "$rate" 2x1 1 ddp-none --hook none
+    ddp_train "$rate" 2x1 1 ddp-fp16 --hook fp16
+    # DDP's PowerSGD hook aborts in Debian's gloo when several buckets are in flight
+    # (gloo::EnforceNotMet ... op.preamble.length <= op.nbytes); with the whole
+    # model in one bucket it runs.
+    ddp_train "$rate" 2x1 1 ddp-powersgd --hook powersgd --bucket-mb 200
+  fi
+  if has_layout 2x2; then
+    # Flat and hierarchical, uncompressed and with the bf16 hook, one after the other.
+    lockstep_train "$rate" 2x2 node0:2,node1:2 4 lockstep-flat
+    lockstep_train "$rate" 2x2 node0:2,node1:2 4 lockstep-hierarchical --hierarchical
+    lockstep_train "$rate" 2x2 node0:2,node1:2 4 lockstep-flat-bf16 --comm_hook=bf16
+    lockstep_train "$rate" 2x2 node0:2,node1:2 4 lockstep-hierarchical-bf16 --hierarchical --comm_hook=bf16
+    ddp_train "$rate" 2x2 2 ddp-none --hook none
+  fi
 done
 
 "$python" - "$results" <<'EOF'

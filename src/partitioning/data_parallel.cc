@@ -4,12 +4,10 @@
 #include <ATen/core/grad_mode.h>
 #include <torch/nn/module.h>
 
-#include <unistd.h>
-
 #include <algorithm>
-#include <array>
 #include <chrono>
 #include <cstdio>
+#include <deque>
 #include <map>
 #include <optional>
 #include <sstream>
@@ -23,6 +21,7 @@
 #include "lockstep/agreement.h"
 #include "lockstep/coordination.h"
 #include "lockstep/hashing.h"
+#include "lockstep/host.h"
 #include "lockstep/timeline.h"
 #include "gradient_readiness.h"
 
@@ -33,7 +32,8 @@ struct GradientBucketer::State {
     std::vector<size_t> params;
     at::Tensor flat;   // padded to a multiple of the host's ranks with a hierarchy
     at::Tensor slice;  // hierarchy: this rank's reduced slice of flat
-    std::shared_ptr<Work> work;
+    std::shared_ptr<Work> scatter;  // hierarchy: the reduce-scatter in the host
+    std::shared_ptr<Work> work;     // null while a hierarchy's scatter is pending
     // For the timeline: when it was launched and first seen complete.
     Timeline::Clock::time_point launched, done;
     bool seen_done = false;
@@ -45,6 +45,9 @@ struct GradientBucketer::State {
   // ranks of this local index on every host.
   std::unique_ptr<Communicator> local;
   std::unique_ptr<Communicator> cross;
+  // Hierarchy: the buckets whose reduce-scatter in the host is queued and whose
+  // slices have not yet been sent between hosts, in launch order.
+  std::deque<size_t> scattering;
   std::string description;
   int64_t steps = 0;  // synchronised steps finished
   // Bucket-size tuning (DataParallelOptions::autotune_bucket_bytes).
@@ -211,27 +214,49 @@ struct GradientBucketer::State {
       bucket.launched = Timeline::Clock::now();
       bucket.seen_done = false;
     }
-    GradientBucket unit;
-    unit.index = static_cast<int>(b);
-    unit.step = steps;
     if (local == nullptr) {
+      GradientBucket unit;
+      unit.index = static_cast<int>(b);
+      unit.step = steps;
       unit.buffer = bucket.flat;
       for (size_t p : bucket.params) unit.gradients.push_back(views[p]);
       bucket.work = hook != nullptr ? hook->Run(*communicator, unit, collective)
                                     : communicator->AllReduceAsync(bucket.flat, ReduceOp::kSum, collective);
       return;
     }
-    // Hierarchy: the host's sum of this rank's slice now (shared memory), the
-    // slices between hosts while backward goes on, the host's slices back to
-    // every rank of it when Finish waits.
-    local->ReduceScatter(bucket.slice, bucket.flat, ReduceOp::kSum, collective);
-    unit.buffer = bucket.slice;
-    std::shared_ptr<Work> between = hook != nullptr ? hook->Run(*cross, unit, collective)
-                                                    : cross->AllReduceAsync(bucket.slice, ReduceOp::kSum, collective);
-    Communicator* host = local.get();
-    bucket.work = Then(std::move(between), [host, flat = bucket.flat, slice = bucket.slice, options = collective] {
-      host->AllGather(flat, slice, options);
-    });
+    // Hierarchy: the host's sum of this rank's slice (shared memory) on the host
+    // group's worker, so that backward does not wait for the host's other ranks;
+    // the slices between hosts once it is done (SendBetween); the host's slices
+    // back to every rank of it when Finish waits.
+    bucket.scatter = local->ReduceScatterAsync(bucket.slice, bucket.flat, ReduceOp::kSum, collective);
+    bucket.work.reset();
+    scattering.push_back(b);
+    SendBetween(/*wait=*/false);
+  }
+
+  // Hierarchy: starts the all-reduce between hosts of every bucket at the front of
+  // `scattering` whose reduce-scatter in the host is done; with `wait`, of all of
+  // them, waiting for each. In launch order, which every rank shares, as the
+  // between-hosts group's collectives need. Called as buckets launch, as
+  // gradients become ready, and by Finish.
+  void SendBetween(bool wait) {
+    while (!scattering.empty()) {
+      Bucket& bucket = buckets[scattering.front()];
+      if (!wait && !bucket.scatter->IsCompleted()) return;
+      bucket.scatter->Wait();  // rethrows the reduce-scatter's error
+      bucket.scatter.reset();
+      GradientBucket unit;
+      unit.index = static_cast<int>(scattering.front());
+      unit.step = steps;
+      unit.buffer = bucket.slice;
+      scattering.pop_front();
+      std::shared_ptr<Work> between = hook != nullptr ? hook->Run(*cross, unit, collective)
+                                                      : cross->AllReduceAsync(bucket.slice, ReduceOp::kSum, collective);
+      Communicator* host = local.get();
+      bucket.work = Then(std::move(between), [host, flat = bucket.flat, slice = bucket.slice, options = collective] {
+        host->AllGather(flat, slice, options);
+      });
+    }
   }
 
   // Builds the hierarchy's groups when the ranks are on several hosts with
@@ -248,11 +273,9 @@ struct GradientBucketer::State {
       for (int r = 0; r < world; ++r) host_of[r] = r / ranks_per_host;
     } else {
       // Every rank's host name, as a hash, from every rank.
-      std::array<char, 256> name{};
-      if (gethostname(name.data(), name.size() - 1) != 0) name[0] = '\0';
       const at::TensorOptions options = SmallOptions(at::kLong);
       at::Tensor all = at::empty({world}, options);
-      communicator->AllGather(all, at::full({1}, static_cast<int64_t>(StableHash(name.data())), options), collective);
+      communicator->AllGather(all, at::full({1}, static_cast<int64_t>(StableHash(HostName())), options), collective);
       const at::Tensor hashes = all.cpu();
       std::map<int64_t, int> hosts;  // hash -> host index, in order of first rank
       for (int r = 0; r < world; ++r) {
@@ -320,6 +343,7 @@ GradientBucketer::GradientBucketer(Communicator* communicator, std::vector<at::T
       s.parameters, [state](size_t b) { state->Launch(b); },
       [state](size_t p) {
         if (!state->rebuilt) state->ready_order.push_back(p);
+        if (!state->scattering.empty()) state->SendBetween(/*wait=*/false);
         if (state->tracing()) state->PollDone(state->buckets.size());
       });
   // Until the first backward shows the real order: reverse registration order,
@@ -339,7 +363,11 @@ void GradientBucketer::Arm() {
       if (s.parameters[p].requires_grad()) internal::PointGradAt(s.parameters[p], s.views[p]);
     }
   }
-  for (State::Bucket& bucket : s.buckets) bucket.work.reset();
+  for (State::Bucket& bucket : s.buckets) {
+    bucket.work.reset();
+    bucket.scatter.reset();
+  }
+  s.scattering.clear();
   s.readiness->Arm();
 }
 
@@ -347,6 +375,7 @@ void GradientBucketer::Finish() {
   State& s = *state_;
   if (!s.readiness->armed()) Arm();
   s.readiness->LaunchRest();
+  s.SendBetween(/*wait=*/true);
   at::NoGradGuard no_grad;
   const bool tracing = s.tracing();
   if (tracing) s.PollDone(s.buckets.size());
