@@ -184,6 +184,10 @@ TEST_F(CommHooksTest, ReplicasStayIdenticalUnderEveryHookAndTrainCloseToFloat32)
     options.comm_hook = MakeCommHook(name, powersgd);
     const Trained ours = Train(comm_.get(), rank_, size_, options);
     EXPECT_THAT(ours.description, HasSubstr(name));
+    // From 4 ranks on, a 16-bit all-gather saves no bytes, and the log says so.
+    const bool noted = ours.description.find(absl::StrCat("the ", name, " hook all-gathers 16-bit buckets")) !=
+                       std::string::npos;
+    EXPECT_EQ(noted, name != "powersgd" && size_ >= 4) << ours.description;
     ExpectReplicasIdentical(*comm_, ours.params);
     const double difference = MaxRelativeDifference(ours.params, reference.params);
     EXPECT_GT(difference, 0.0) << "the hook changed nothing";
@@ -209,6 +213,8 @@ TEST_F(CommHooksTest, HierarchicalAllReduceTrainsAsTheFlatOne) {
     ExpectReplicasIdentical(*comm_, compressed.params);
     EXPECT_LT(MaxRelativeDifference(compressed.params, reference.params), 0.05);
     EXPECT_THAT(compressed.description, HasSubstr("bf16 hook; hierarchical all-reduce"));
+    // Between 2 hosts, the all-gather is half a float32 all-reduce's bytes.
+    EXPECT_THAT(compressed.description, ::testing::Not(HasSubstr("all-gathers 16-bit buckets")));
   } else {
     EXPECT_THAT(ours.description, HasSubstr("hierarchical all-reduce off: every rank is on one host"));
   }
