@@ -64,11 +64,6 @@ class GradientCommHook {
 // Every DataParallel makes its own hook (a hook may keep state per bucket).
 using CommHookFactory = std::function<std::unique_ptr<GradientCommHook>()>;
 
-// A handle that waits for `first`, then runs `next` (on the thread that waits,
-// once; a failure of either is rethrown by every later Wait). IsCompleted is
-// true once a Wait has returned. For hooks whose communication has phases.
-std::shared_ptr<Work> Then(std::shared_ptr<Work> first, std::function<void()> next);
-
 // No compression: the bucket is all-reduced (what no hook does too).
 class AllReduceHook final : public GradientCommHook {
  public:
@@ -77,12 +72,23 @@ class AllReduceHook final : public GradientCommHook {
                             const CollectiveOptions& options) override;
 };
 
+namespace internal {
+struct SlicedHalfBucket;
+}  // namespace internal
+
 // Sends the bucket as bf16 or fp16 (half the bytes of float32) and sums the
-// ranks' values in float32, in rank order, so every rank gets the same sum. The
-// 16-bit values travel by all-gather: each rank receives (world - 1) x n x 2
-// bytes, half of a float32 ring all-reduce's 2 x (world - 1) / world x n x 4 at
-// 2 ranks, the same at 4. fp16 keeps 3 more mantissa bits than bf16 but flushes
-// magnitudes below 6e-8 to zero and overflows above 65504; bf16 has float32's range.
+// ranks' values in float32, in rank order, so every rank gets the same sum:
+// - between 2 ranks, the 16-bit values travel by all-gather and each rank adds
+//   both in float32;
+// - among 3 or more, an all-to-all sends slice j of every rank's values to rank
+//   j, which adds them in float32 and rounds the sum to 16 bits again (fp16: the
+//   mean, times world after, so that a sum above 65504 does not overflow); the
+//   rounded sums travel back by all-gather. A bucket's all-gather starts when
+//   the next bucket's Run comes, or at its own Wait.
+// Either way each rank sends (and receives) (world - 1) / world x n x 4 bytes
+// in all, half of a bandwidth-optimal float32 all-reduce's. fp16 keeps 3
+// more mantissa bits than bf16 but flushes magnitudes below 6e-8 to zero and
+// overflows above 65504; bf16 has float32's range.
 class HalfPrecisionHook final : public GradientCommHook {
  public:
   // `dtype`: at::kBFloat16 or at::kHalf. Errors: InvalidArgumentError otherwise.
@@ -91,8 +97,12 @@ class HalfPrecisionHook final : public GradientCommHook {
   std::shared_ptr<Work> Run(Communicator& communicator, const GradientBucket& bucket,
                             const CollectiveOptions& options) override;
 
+  ~HalfPrecisionHook() override;
+
  private:
   at::ScalarType dtype_;
+  // Among 3 or more ranks: the last bucket whose all-gather may not have started.
+  std::shared_ptr<internal::SlicedHalfBucket> pending_;
 };
 
 struct PowerSgdOptions {

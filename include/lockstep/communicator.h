@@ -1,5 +1,5 @@
 // Communicator: the collectives that ranks of an SPMD job meet in — all-reduce,
-// reduce-scatter, all-gather, broadcast and barrier over torch tensors.
+// reduce-scatter, all-gather, all-to-all, broadcast and barrier over torch tensors.
 //
 // SPMD rule: every rank calls the same collectives, with tensors of the same size
 // and dtype, in the same order. A call that breaks the rule, or a peer that dies,
@@ -20,6 +20,7 @@
 #include <c10/core/TensorOptions.h>
 
 #include <chrono>
+#include <functional>
 #include <memory>
 #include <optional>
 #include <string>
@@ -83,6 +84,13 @@ class Communicator {
   // the reduction over ranks of input elements [r * n, (r + 1) * n).
   virtual std::shared_ptr<Work> ReduceScatterAsync(at::Tensor output, at::Tensor input, ReduceOp op,
                                                    const CollectiveOptions& options) = 0;
+  // `input` and `output` have world_size * n elements of one dtype (any: the
+  // bytes travel as they are, nothing is reduced): block j of this rank's input,
+  // elements [j * n, (j + 1) * n), lands in rank j's output as block r, r being
+  // this rank. `output` may not overlap `input`. The default is an all-gather of
+  // every rank's whole input, which moves world_size times the bytes; the MPI,
+  // Gloo and NCCL backends move only the blocks.
+  virtual std::shared_ptr<Work> AllToAllAsync(at::Tensor output, at::Tensor input, const CollectiveOptions& options);
   // Every rank's `tensor` becomes `root`'s.
   virtual std::shared_ptr<Work> BroadcastAsync(at::Tensor tensor, int root, const CollectiveOptions& options) = 0;
   // Completes once every rank has called it.
@@ -125,6 +133,9 @@ class Communicator {
   void ReduceScatter(at::Tensor output, at::Tensor input, ReduceOp op, const CollectiveOptions& options = {}) {
     ReduceScatterAsync(std::move(output), std::move(input), op, options)->Wait();
   }
+  void AllToAll(at::Tensor output, at::Tensor input, const CollectiveOptions& options = {}) {
+    AllToAllAsync(std::move(output), std::move(input), options)->Wait();
+  }
   void Broadcast(at::Tensor tensor, int root, const CollectiveOptions& options = {}) {
     BroadcastAsync(std::move(tensor), root, options)->Wait();
   }
@@ -141,6 +152,12 @@ class Communicator {
                                                    const CollectiveOptions& options);
 };
 
+// A handle that waits for `first`, then runs `next` (on the thread that waits,
+// once; a failure of either is rethrown by every later Wait). IsCompleted is
+// true once a Wait has returned. For work in phases: a collective, then what is
+// done with its result (a gradient hook's decompression, a default AllToAll).
+std::shared_ptr<Work> Then(std::shared_ptr<Work> first, std::function<void()> next);
+
 // A world of one: every collective completes at once (all-gather and
 // reduce-scatter copy). What a single process without a launcher uses.
 std::unique_ptr<Communicator> MakeSingleProcessCommunicator();
@@ -148,6 +165,8 @@ std::unique_ptr<Communicator> MakeSingleProcessCommunicator();
 // Checks shared by the backends. Throw InvalidArgumentError naming the call.
 void CheckCollectiveTensor(const at::Tensor& tensor, const char* call);
 void CheckSizes(const at::Tensor& big, const at::Tensor& small, int world_size, const char* call);
+// Both contiguous, of one dtype and numel, a multiple of world_size.
+void CheckAllToAll(const at::Tensor& output, const at::Tensor& input, int world_size, const char* call);
 
 }  // namespace lockstep
 

@@ -3,6 +3,8 @@
 #include <ATen/ATen.h>
 
 #include <algorithm>
+#include <exception>
+#include <functional>
 #include <map>
 #include <string>
 #include <utility>
@@ -12,6 +14,39 @@
 
 namespace lockstep {
 namespace {
+
+class ThenWork final : public Work {
+ public:
+  ThenWork(std::shared_ptr<Work> first, std::function<void()> next) : first_(std::move(first)), next_(std::move(next)) {}
+
+  void Wait() override {
+    absl::MutexLock lock(&mutex_);
+    if (!done_) {
+      done_ = true;
+      try {
+        first_->Wait();
+        std::function<void()> next = std::move(next_);
+        next();
+      } catch (...) {
+        error_ = std::current_exception();
+      }
+      first_.reset();
+    }
+    if (error_) std::rethrow_exception(error_);
+  }
+
+  bool IsCompleted() override {
+    absl::MutexLock lock(&mutex_);
+    return done_;
+  }
+
+ private:
+  absl::Mutex mutex_;
+  std::shared_ptr<Work> first_ ABSL_GUARDED_BY(mutex_);
+  std::function<void()> next_ ABSL_GUARDED_BY(mutex_);
+  bool done_ ABSL_GUARDED_BY(mutex_) = false;
+  std::exception_ptr error_ ABSL_GUARDED_BY(mutex_);
+};
 
 class CompletedWork final : public Work {
  public:
@@ -43,6 +78,12 @@ class SingleProcessCommunicator final : public Communicator {
                                            const CollectiveOptions&) override {
     CheckNotAborted();
     CheckSizes(input, output, 1, "reduce_scatter");
+    output.view(-1).copy_(input.view(-1));
+    return Done();
+  }
+  std::shared_ptr<Work> AllToAllAsync(at::Tensor output, at::Tensor input, const CollectiveOptions&) override {
+    CheckNotAborted();
+    CheckAllToAll(output, input, 1, "all_to_all");
     output.view(-1).copy_(input.view(-1));
     return Done();
   }
@@ -88,6 +129,9 @@ class AliasCommunicator final : public Communicator {
   std::shared_ptr<Work> ReduceScatterAsync(at::Tensor output, at::Tensor input, ReduceOp op,
                                            const CollectiveOptions& options) override {
     return parent_->ReduceScatterAsync(std::move(output), std::move(input), op, options);
+  }
+  std::shared_ptr<Work> AllToAllAsync(at::Tensor output, at::Tensor input, const CollectiveOptions& options) override {
+    return parent_->AllToAllAsync(std::move(output), std::move(input), options);
   }
   std::shared_ptr<Work> BroadcastAsync(at::Tensor tensor, int root, const CollectiveOptions& options) override {
     return parent_->BroadcastAsync(std::move(tensor), root, options);
@@ -142,6 +186,23 @@ std::unique_ptr<Communicator> Communicator::SplitGroup(int, int, const std::vect
   throw InvalidArgumentError("split: the " + backend() + " communicator cannot split into groups");
 }
 
+std::shared_ptr<Work> Then(std::shared_ptr<Work> first, std::function<void()> next) {
+  return std::make_shared<ThenWork>(std::move(first), std::move(next));
+}
+
+std::shared_ptr<Work> Communicator::AllToAllAsync(at::Tensor output, at::Tensor input,
+                                                  const CollectiveOptions& options) {
+  const int world = world_size();
+  CheckAllToAll(output, input, world, "all_to_all");
+  const int64_t n = input.numel() / world;
+  // Every rank's whole input, then this rank's block of each.
+  at::Tensor gathered = at::empty({world * input.numel()}, input.options());
+  std::shared_ptr<Work> work = AllGatherAsync(gathered, input.view(-1), options);
+  return Then(std::move(work), [output, gathered, n, world, rank = rank()]() mutable {
+    output.view({world, n}).copy_(gathered.view({world, world, n}).select(1, rank));
+  });
+}
+
 at::Tensor Communicator::AllocateCollectiveBuffer(int64_t numel, const at::TensorOptions& options,
                                                   const CollectiveOptions&) {
   return at::empty({numel}, options);
@@ -162,6 +223,25 @@ void CheckSizes(const at::Tensor& big, const at::Tensor& small, int world_size, 
     throw InvalidArgumentError(std::string(call) + ": expected " + std::to_string(small.numel() * world_size) +
                                " elements (world_size x " + std::to_string(small.numel()) + "), got " +
                                std::to_string(big.numel()));
+  }
+}
+
+void CheckAllToAll(const at::Tensor& output, const at::Tensor& input, int world_size, const char* call) {
+  CheckCollectiveTensor(output, call);
+  CheckCollectiveTensor(input, call);
+  if (output.scalar_type() != input.scalar_type()) {
+    throw InvalidArgumentError(std::string(call) + ": input and output dtypes differ");
+  }
+  if (output.numel() != input.numel() || input.numel() % world_size != 0) {
+    throw InvalidArgumentError(std::string(call) + ": input and output need the same number of elements, a " +
+                               "multiple of world_size " + std::to_string(world_size) + "; got " +
+                               std::to_string(input.numel()) + " and " + std::to_string(output.numel()));
+  }
+  if (output.numel() > 0 && output.device() == input.device()) {
+    const auto* a = static_cast<const char*>(output.data_ptr());
+    const auto* b = static_cast<const char*>(input.data_ptr());
+    const int64_t bytes = output.numel() * output.element_size();
+    if (a < b + bytes && b < a + bytes) throw InvalidArgumentError(std::string(call) + ": output overlaps input");
   }
 }
 

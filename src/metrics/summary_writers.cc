@@ -2,7 +2,6 @@
 
 #include <unistd.h>
 
-#include <array>
 #include <cerrno>
 #include <chrono>
 #include <cmath>
@@ -10,6 +9,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "lockstep/errors.h"
+#include "lockstep/host.h"
 #include "lockstep/json.h"
 #include "proto/tensorboard.pb.h"
 
@@ -35,9 +35,7 @@ void AppendLittleEndian(std::string* out, uint64_t value, int bytes) {
 uint32_t MaskCrc32c(uint32_t crc) { return ((crc >> 15) | (crc << 17)) + 0xA282EAD8u; }
 
 TensorBoardWriter::TensorBoardWriter(const std::string& dir) {
-  std::array<char, 256> host{};
-  gethostname(host.data(), host.size() - 1);
-  path_ = absl::StrCat(dir, "/events.out.tfevents.", static_cast<int64_t>(WallSeconds()), ".", host.data(), ".",
+  path_ = absl::StrCat(dir, "/events.out.tfevents.", static_cast<int64_t>(WallSeconds()), ".", HostName(), ".",
                        getpid());
   file_ = OpenOrThrow(path_, "wb");
   tensorboard::Event version;

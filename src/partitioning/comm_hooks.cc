@@ -16,47 +16,6 @@
 
 namespace lockstep {
 
-namespace {
-
-class ThenWork final : public Work {
- public:
-  ThenWork(std::shared_ptr<Work> first, std::function<void()> next) : first_(std::move(first)), next_(std::move(next)) {}
-
-  void Wait() override {
-    absl::MutexLock lock(&mutex_);
-    if (!done_) {
-      done_ = true;
-      try {
-        first_->Wait();
-        std::function<void()> next = std::move(next_);
-        next();
-      } catch (...) {
-        error_ = std::current_exception();
-      }
-      first_.reset();
-    }
-    if (error_) std::rethrow_exception(error_);
-  }
-
-  bool IsCompleted() override {
-    absl::MutexLock lock(&mutex_);
-    return done_;
-  }
-
- private:
-  absl::Mutex mutex_;
-  std::shared_ptr<Work> first_ ABSL_GUARDED_BY(mutex_);
-  std::function<void()> next_ ABSL_GUARDED_BY(mutex_);
-  bool done_ ABSL_GUARDED_BY(mutex_) = false;
-  std::exception_ptr error_ ABSL_GUARDED_BY(mutex_);
-};
-
-}  // namespace
-
-std::shared_ptr<Work> Then(std::shared_ptr<Work> first, std::function<void()> next) {
-  return std::make_shared<ThenWork>(std::move(first), std::move(next));
-}
-
 std::shared_ptr<Work> AllReduceHook::Run(Communicator& communicator, const GradientBucket& bucket,
                                          const CollectiveOptions& options) {
   return communicator.AllReduceAsync(bucket.buffer, ReduceOp::kSum, options);
@@ -70,6 +29,105 @@ HalfPrecisionHook::HalfPrecisionHook(at::ScalarType dtype) : dtype_(dtype) {
 }
 
 std::string HalfPrecisionHook::name() const { return dtype_ == at::kBFloat16 ? "bf16" : "fp16"; }
+
+// A bucket among 3 or more ranks in two phases: an all-to-all sends slice j of
+// every rank's 16-bit values to rank j, which sums them in float32; then the
+// sums, rounded to 16 bits again, travel back by all-gather. Each phase moves
+// (world - 1) / world x n x 2 bytes per rank.
+struct internal::SlicedHalfBucket {
+  Communicator* communicator = nullptr;
+  CollectiveOptions options;
+  at::Tensor buffer;      // the bucket: float32 (or other) values in, the sums out
+  at::ScalarType dtype;   // bf16 or fp16
+  internal::HalfFormat format;
+  bool kernel = false;    // half_kernel.h's loops (a float32 CPU bucket)
+  int world = 1;
+  int rank = 0;
+  int64_t n = 0, chunk = 0;
+  at::Tensor received;    // world x chunk halves: every rank's values of this rank's slice
+  std::shared_ptr<Work> exchange;
+  at::Tensor gathered;    // world x chunk halves: every slice's rounded sum
+  std::shared_ptr<Work> gather;
+
+  // Phase two: waits for the all-to-all, sums this rank's slice and starts the all-gather.
+  void StartGather() {
+    if (gather) return;  // started already
+    at::NoGradGuard no_grad;
+    exchange->Wait();
+    exchange.reset();
+    at::Tensor sum = at::empty({chunk}, buffer.options().dtype(at::kFloat));
+    if (kernel) {
+      const auto* base = reinterpret_cast<const uint16_t*>(received.data_ptr());
+      std::vector<const uint16_t*> parts(world);
+      for (int r = 0; r < world; ++r) parts[r] = base + r * chunk;
+      internal::SumHalves(format, parts.data(), world, sum.data_ptr<float>(), chunk);
+    } else {
+      const at::Tensor values = received.view(dtype).view({world, chunk});
+      sum.copy_(values.select(0, 0));
+      for (int r = 1; r < world; ++r) sum.add_(values.select(0, r));
+    }
+    // fp16 sends the mean: a sum of in-range values may pass 65504, their mean cannot.
+    if (dtype == at::kHalf) sum.div_(world);
+    at::Tensor own = gathered.narrow(0, rank * chunk, chunk);
+    if (kernel) {
+      internal::RoundToHalf(format, sum.data_ptr<float>(), reinterpret_cast<uint16_t*>(own.data_ptr()), chunk);
+    } else {
+      own.copy_(sum.to(dtype).view(at::kHalf));
+    }
+    received = at::Tensor();
+    gather = communicator->AllGatherAsync(gathered, own, options);
+  }
+
+  // Waits for the all-gather and widens the sums into the bucket.
+  void Finish() {
+    at::NoGradGuard no_grad;
+    if (!gather) StartGather();
+    gather->Wait();
+    if (kernel) {
+      const auto* sums = reinterpret_cast<const uint16_t*>(gathered.data_ptr());
+      internal::SumHalves(format, &sums, 1, buffer.data_ptr<float>(), n);  // one part: widened exactly
+    } else {
+      buffer.copy_(gathered.narrow(0, 0, n).view(dtype));
+    }
+    if (dtype == at::kHalf) buffer.mul_(world);
+    buffer = at::Tensor();
+    gathered = at::Tensor();
+  }
+};
+
+namespace {
+
+class SlicedBucketWork final : public Work {
+ public:
+  explicit SlicedBucketWork(std::shared_ptr<internal::SlicedHalfBucket> bucket) : bucket_(std::move(bucket)) {}
+  void Wait() override {
+    absl::MutexLock lock(&mutex_);
+    if (!done_) {
+      done_ = true;
+      try {
+        bucket_->Finish();
+      } catch (...) {
+        error_ = std::current_exception();
+      }
+      bucket_.reset();
+    }
+    if (error_) std::rethrow_exception(error_);
+  }
+  bool IsCompleted() override {
+    absl::MutexLock lock(&mutex_);
+    return done_;
+  }
+
+ private:
+  absl::Mutex mutex_;
+  std::shared_ptr<internal::SlicedHalfBucket> bucket_ ABSL_GUARDED_BY(mutex_);
+  bool done_ ABSL_GUARDED_BY(mutex_) = false;
+  std::exception_ptr error_ ABSL_GUARDED_BY(mutex_);
+};
+
+}  // namespace
+
+HalfPrecisionHook::~HalfPrecisionHook() = default;
 
 std::shared_ptr<Work> HalfPrecisionHook::Run(Communicator& communicator, const GradientBucket& bucket,
                                              const CollectiveOptions& options) {
@@ -85,14 +143,47 @@ std::shared_ptr<Work> HalfPrecisionHook::Run(Communicator& communicator, const G
                       internal::HaveHalfKernel(format);
   // Every backend moves 16-bit floats as they are in an all-gather when they
   // are called half (some widen bfloat16 to float32 on the wire): the bits
-  // travel as half and are read back as `dtype_`.
+  // travel as half and are read back as `dtype_`. Among 3 or more ranks the
+  // bucket is padded to world x chunk values for the all-to-all.
+  const bool sliced = world >= 3;
+  const int64_t chunk = sliced ? (n + world - 1) / world : n;
+  const int64_t padded = sliced ? world * chunk : n;
   at::Tensor compressed;
   if (kernel) {
-    compressed = at::empty({n}, buffer.options().dtype(at::kHalf));
+    compressed = at::empty({padded}, buffer.options().dtype(at::kHalf));
     internal::RoundToHalf(format, buffer.data_ptr<float>(), reinterpret_cast<uint16_t*>(compressed.data_ptr()), n);
+    if (padded > n) compressed.narrow(0, n, padded - n).zero_();
+  } else if (sliced) {
+    at::Tensor values = at::zeros({padded}, buffer.options().dtype(dtype_));
+    values.narrow(0, 0, n).copy_(buffer.reshape({-1}));
+    compressed = values.view(at::kHalf);
   } else {
     compressed = buffer.to(dtype_).view(at::kHalf);
   }
+
+  if (sliced) {
+    // The last bucket's phase two starts first: every rank starts its
+    // collectives in the same order (Run's, then Wait's), and the all-gather
+    // goes out behind the all-to-all already in flight.
+    if (std::shared_ptr<internal::SlicedHalfBucket> earlier = std::move(pending_)) earlier->StartGather();
+    auto state = std::make_shared<internal::SlicedHalfBucket>();
+    state->communicator = &communicator;
+    state->options = options;
+    state->buffer = buffer;
+    state->dtype = dtype_;
+    state->format = format;
+    state->kernel = kernel;
+    state->world = world;
+    state->rank = communicator.rank();
+    state->n = n;
+    state->chunk = chunk;
+    state->received = at::empty({padded}, compressed.options());
+    state->gathered = at::empty({padded}, compressed.options());
+    state->exchange = communicator.AllToAllAsync(state->received, compressed, options);
+    pending_ = state;
+    return std::make_shared<SlicedBucketWork>(std::move(state));
+  }
+
   at::Tensor gathered = at::empty({world * n}, compressed.options());
   std::shared_ptr<Work> work = communicator.AllGatherAsync(gathered, compressed, options);
   const at::ScalarType dtype = dtype_;

@@ -338,16 +338,6 @@ GradientBucketer::GradientBucketer(Communicator* communicator, std::vector<at::T
   s.description = absl::StrCat("gradient buckets: ", s.hook != nullptr ? s.hook->name() : "float32",
                                s.hook != nullptr ? " hook; " : " all-reduce; ",
                                s.description.empty() ? "flat" : s.description);
-  // The 16-bit hooks all-gather every participant's bucket: per rank, N/4 of the
-  // bytes of a bandwidth-optimal float32 all-reduce among N, so no saving from 4 on.
-  const int participants = s.local != nullptr ? s.cross->world_size() : communicator->world_size();
-  if (dynamic_cast<const HalfPrecisionHook*>(s.hook.get()) != nullptr && participants >= 4) {
-    absl::StrAppend(&s.description, "; note: the ", s.hook->name(), " hook all-gathers 16-bit buckets, which among ",
-                    participants, " ranks moves ", absl::StrFormat("%.3g", participants / 4.0),
-                    "x the bytes per rank of a float32 all-reduce",
-                    s.local != nullptr ? "" : "; with several ranks per host, communication.hierarchical sends 16 "
-                                              "bits between hosts only");
-  }
   State* state = &s;  // the readiness is the state's, so it never outlives it
   s.readiness = std::make_unique<internal::GradientReadiness>(
       s.parameters, [state](size_t b) { state->Launch(b); },

@@ -120,6 +120,38 @@ TEST_F(CollectivesTest, ReduceScatter) {
   }
 }
 
+TEST_F(CollectivesTest, AllToAllSendsBlockJToRankJ) {
+  // bfloat16 and half too: their bytes travel as they are. 300001 x 2 bytes per
+  // block is in chunks (1 MiB) with a short last one.
+  for (at::ScalarType type : {at::kFloat, at::kLong, at::kBFloat16, at::kHalf}) {
+    for (int64_t n : {int64_t{0}, int64_t{1}, int64_t{17}, int64_t{300001}}) {
+      SCOPED_TRACE(std::string(at::toString(type)) + " n=" + std::to_string(n));
+      // Block j of rank r holds 1000 r + j, then a pattern.
+      std::vector<at::Tensor> blocks;
+      for (int j = 0; j < size_; ++j) blocks.push_back((Pattern(n, at::kFloat).remainder(7) + 1000 * rank_ + j).to(type));
+      const at::Tensor input = at::cat(blocks);
+      at::Tensor output = at::full({n * size_}, -1, type);
+      comm_->AllToAll(output, input);
+      for (int r = 0; r < size_; ++r) {
+        const at::Tensor expected = (Pattern(n, at::kFloat).remainder(7) + 1000 * r + rank_).to(type);
+        EXPECT_TRUE(output.narrow(0, r * n, n).equal(expected)) << "block from rank " << r;
+      }
+      EXPECT_TRUE(input.equal(at::cat(blocks))) << "the input changed";
+    }
+  }
+  // Async, several in flight, then in order.
+  std::vector<at::Tensor> outputs;
+  std::vector<std::shared_ptr<Work>> works;
+  for (int i = 0; i < 4; ++i) {
+    outputs.push_back(at::empty({3 * size_}, at::kInt));
+    works.push_back(comm_->AllToAllAsync(outputs.back(), at::full({3 * size_}, 10 * rank_ + i, at::kInt), {}));
+  }
+  for (int i = 0; i < 4; ++i) {
+    works[i]->Wait();
+    for (int r = 0; r < size_; ++r) EXPECT_TRUE(outputs[i].narrow(0, 3 * r, 3).eq(10 * r + i).all().item<bool>());
+  }
+}
+
 TEST_F(CollectivesTest, BroadcastFromEveryRoot) {
   for (int root = 0; root < size_; ++root) {
     for (int64_t n : kSizes) {
@@ -152,6 +184,12 @@ TEST_F(CollectivesTest, BadCallsAreClearErrors) {
   EXPECT_THROW(comm_->AllReduceAsync(at::ones({3}, at::kLong), ReduceOp::kAverage, {}), InvalidArgumentError);
   EXPECT_THROW(comm_->AllGatherAsync(at::ones({3}), at::ones({3}), {}), InvalidArgumentError);
   EXPECT_THROW(comm_->BroadcastAsync(at::ones({3}), size_, {}), InvalidArgumentError);
+  // All-to-all: sizes that differ or do not divide, dtypes that differ, overlap.
+  EXPECT_THROW(comm_->AllToAllAsync(at::ones({2 * size_}), at::ones({size_}), {}), InvalidArgumentError);
+  EXPECT_THROW(comm_->AllToAllAsync(at::ones({2 * size_ + 1}), at::ones({2 * size_ + 1}), {}), InvalidArgumentError);
+  EXPECT_THROW(comm_->AllToAllAsync(at::ones({size_}, at::kInt), at::ones({size_}), {}), InvalidArgumentError);
+  at::Tensor both = at::ones({2 * size_});
+  EXPECT_THROW(comm_->AllToAllAsync(both, both, {}), InvalidArgumentError);
   comm_->Barrier();
 }
 

@@ -264,6 +264,22 @@ class GlooCommunicator final : public Communicator {
     return Launch("reduce-scatter", options, [&] { return group_->allreduce(tensors, opts); }, std::move(finish));
   }
 
+  std::shared_ptr<Work> AllToAllAsync(at::Tensor output, at::Tensor input, const CollectiveOptions& options) override {
+    Check(output, "AllToAll");
+    Check(input, "AllToAll");
+    CheckAllToAll(output, input, world_size_, "AllToAll");
+    if (input.numel() == 0) return Done({});
+    // Nothing is reduced, so the bytes travel as they are (bfloat16 included),
+    // in equal blocks along dimension 0.
+    at::Tensor out = output.view(-1).view(at::kByte);
+    at::Tensor in = input.view(-1).view(at::kByte);
+    std::vector<int64_t> equal_splits;
+    c10d::AllToAllOptions opts;
+    opts.timeout = options.timeout;
+    return Launch("all-to-all", options, [&] { return group_->alltoall_base(out, in, equal_splits, equal_splits, opts); },
+                  {});
+  }
+
   std::shared_ptr<Work> BroadcastAsync(at::Tensor tensor, int root, const CollectiveOptions& options) override {
     Check(tensor, "Broadcast");
     if (root < 0 || root >= world_size_) {

@@ -425,6 +425,37 @@ class MpiCommunicator final : public Communicator {
                    });
   }
 
+  std::shared_ptr<Work> AllToAllAsync(at::Tensor output, at::Tensor input, const CollectiveOptions& options) override {
+    CheckAllToAll(output, input, world_size_, "all_to_all");
+    CheckCpu(output, "all_to_all");
+    CheckCpu(input, "all_to_all");
+    const size_t block = static_cast<size_t>(input.numel() / world_size_) * input.element_size();
+    CheckedCount(static_cast<int64_t>(block), "all_to_all");
+    return Enqueue(Describe("all_to_all", input), options, [this, output, input, block](Clock::time_point deadline) {
+      if (block == 0) return;
+      auto* in = static_cast<const char*>(input.data_ptr());
+      auto* out = static_cast<char*>(output.data_ptr());
+      if (block <= options_.chunk_bytes) {
+        MPI_Request request;
+        LOCKSTEP_MPI_CHECK(MPI_Ialltoall(in, static_cast<int>(block), MPI_BYTE, out, static_cast<int>(block), MPI_BYTE,
+                                         comm_, &request));
+        Drive(&request, 1, deadline);
+        return;
+      }
+      // Large: in chunks, several in flight, as all-gathers go. Chunk [offset,
+      // offset + k) of every block: k bytes whose extent is the block.
+      Pipelined(block, 1, deadline, [&](size_t offset, int k, MPI_Request* request) {
+        MPI_Datatype bytes = MPI_DATATYPE_NULL, strided = MPI_DATATYPE_NULL;
+        LOCKSTEP_MPI_CHECK(MPI_Type_contiguous(k, MPI_BYTE, &bytes));
+        LOCKSTEP_MPI_CHECK(MPI_Type_create_resized(bytes, 0, static_cast<MPI_Aint>(block), &strided));
+        LOCKSTEP_MPI_CHECK(MPI_Type_commit(&strided));
+        LOCKSTEP_MPI_CHECK(MPI_Ialltoall(in + offset, 1, strided, out + offset, 1, strided, comm_, request));
+        LOCKSTEP_MPI_CHECK(MPI_Type_free(&strided));
+        LOCKSTEP_MPI_CHECK(MPI_Type_free(&bytes));
+      });
+    });
+  }
+
   std::shared_ptr<Work> BroadcastAsync(at::Tensor tensor, int root, const CollectiveOptions& options) override {
     CheckCpu(tensor, "broadcast");
     if (root < 0 || root >= world_size_) {

@@ -157,6 +157,23 @@ class NcclCommunicator final : public Communicator {
                                             NcclType(input.scalar_type()), NcclOp(op), comm_, stream_));
     });
   }
+  // Grouped sends and receives, one pair per peer (the bytes as they are).
+  std::shared_ptr<Work> AllToAllAsync(at::Tensor output, at::Tensor input, const CollectiveOptions& options) override {
+    CheckAllToAll(output, input, world_size_, "all_to_all");
+    Check(output, "all_to_all");
+    Check(input, "all_to_all");
+    const size_t block = static_cast<size_t>(input.numel() / world_size_) * input.element_size();
+    return Launch("all_to_all", input, options, [&] {
+      const auto* in = static_cast<const char*>(input.data_ptr());
+      auto* out = static_cast<char*>(output.data_ptr());
+      LOCKSTEP_NCCL_CHECK(ncclGroupStart());
+      for (int peer = 0; peer < world_size_; ++peer) {
+        LOCKSTEP_NCCL_CHECK(ncclSend(in + peer * block, block, ncclUint8, peer, comm_, stream_));
+        LOCKSTEP_NCCL_CHECK(ncclRecv(out + peer * block, block, ncclUint8, peer, comm_, stream_));
+      }
+      LOCKSTEP_NCCL_CHECK(ncclGroupEnd());
+    });
+  }
   std::shared_ptr<Work> BroadcastAsync(at::Tensor tensor, int root, const CollectiveOptions& options) override {
     Check(tensor, "broadcast");
     if (root < 0 || root >= world_size_) {
