@@ -100,16 +100,14 @@ __attribute__((target("avx2"))) void SumBFloat16Avx2(const uint16_t* const* part
   Sum(parts, count, out, n, FromBFloat16);
 }
 
-bool HaveF16c() {
-  __builtin_cpu_init();
-  // Clang's __builtin_cpu_supports does not know "f16c": ask CPUID leaf 1 (ECX).
-  unsigned eax = 0, ebx = 0, ecx = 0, edx = 0;
-  return __builtin_cpu_supports("avx2") && __get_cpuid(1, &eax, &ebx, &ecx, &edx) != 0 && (ecx & bit_F16C) != 0;
-}
-
 // Asked once per process.
 bool UseF16c() {
-  static const bool f16c = HaveF16c();
+  static const bool f16c = [] {
+    __builtin_cpu_init();
+    // Clang's __builtin_cpu_supports does not know "f16c": ask CPUID leaf 1 (ECX).
+    unsigned eax = 0, ebx = 0, ecx = 0, edx = 0;
+    return __builtin_cpu_supports("avx2") && __get_cpuid(1, &eax, &ebx, &ecx, &edx) != 0 && (ecx & bit_F16C) != 0;
+  }();
   return f16c;
 }
 #endif
