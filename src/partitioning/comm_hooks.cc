@@ -5,13 +5,11 @@
 #include <ATen/core/grad_mode.h>
 
 #include <algorithm>
-#include <exception>
 #include <map>
 #include <utility>
 #include <vector>
 
 #include "absl/strings/str_cat.h"
-#include "absl/synchronization/mutex.h"
 #include "half_kernel.h"
 
 namespace lockstep {
@@ -95,38 +93,6 @@ struct internal::SlicedHalfBucket {
   }
 };
 
-namespace {
-
-class SlicedBucketWork final : public Work {
- public:
-  explicit SlicedBucketWork(std::shared_ptr<internal::SlicedHalfBucket> bucket) : bucket_(std::move(bucket)) {}
-  void Wait() override {
-    absl::MutexLock lock(&mutex_);
-    if (!done_) {
-      done_ = true;
-      try {
-        bucket_->Finish();
-      } catch (...) {
-        error_ = std::current_exception();
-      }
-      bucket_.reset();
-    }
-    if (error_) std::rethrow_exception(error_);
-  }
-  bool IsCompleted() override {
-    absl::MutexLock lock(&mutex_);
-    return done_;
-  }
-
- private:
-  absl::Mutex mutex_;
-  std::shared_ptr<internal::SlicedHalfBucket> bucket_ ABSL_GUARDED_BY(mutex_);
-  bool done_ ABSL_GUARDED_BY(mutex_) = false;
-  std::exception_ptr error_ ABSL_GUARDED_BY(mutex_);
-};
-
-}  // namespace
-
 HalfPrecisionHook::~HalfPrecisionHook() = default;
 
 std::shared_ptr<Work> HalfPrecisionHook::Run(Communicator& communicator, const GradientBucket& bucket,
@@ -181,7 +147,8 @@ std::shared_ptr<Work> HalfPrecisionHook::Run(Communicator& communicator, const G
     state->gathered = at::empty({padded}, compressed.options());
     state->exchange = communicator.AllToAllAsync(state->received, compressed, options);
     pending_ = state;
-    return std::make_shared<SlicedBucketWork>(std::move(state));
+    std::shared_ptr<Work> exchange = state->exchange;
+    return Then(std::move(exchange), [state = std::move(state)] { state->Finish(); });
   }
 
   at::Tensor gathered = at::empty({world * n}, compressed.options());
