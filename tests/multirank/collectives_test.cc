@@ -152,6 +152,53 @@ TEST_F(CollectivesTest, AllToAllSendsBlockJToRankJ) {
   }
 }
 
+// A communicator of a user's that forwards every collective but AllToAll, so
+// that Communicator's default (an all-gather, then the blocks) runs.
+class WithoutAllToAll final : public Communicator {
+ public:
+  explicit WithoutAllToAll(Communicator* inner) : inner_(inner) {}
+  int rank() const override { return inner_->rank(); }
+  int world_size() const override { return inner_->world_size(); }
+  std::string backend() const override { return "forwarding"; }
+  std::shared_ptr<Work> AllReduceAsync(at::Tensor t, ReduceOp op, const CollectiveOptions& o) override {
+    return inner_->AllReduceAsync(t, op, o);
+  }
+  std::shared_ptr<Work> AllGatherAsync(at::Tensor out, at::Tensor in, const CollectiveOptions& o) override {
+    ++all_gathers;
+    return inner_->AllGatherAsync(out, in, o);
+  }
+  std::shared_ptr<Work> ReduceScatterAsync(at::Tensor out, at::Tensor in, ReduceOp op,
+                                           const CollectiveOptions& o) override {
+    return inner_->ReduceScatterAsync(out, in, op, o);
+  }
+  std::shared_ptr<Work> BroadcastAsync(at::Tensor t, int root, const CollectiveOptions& o) override {
+    return inner_->BroadcastAsync(t, root, o);
+  }
+  std::shared_ptr<Work> BarrierAsync(const CollectiveOptions& o) override { return inner_->BarrierAsync(o); }
+  void Abort(const std::string& reason) override { inner_->Abort(reason); }
+  int all_gathers = 0;
+
+ private:
+  Communicator* inner_;
+};
+
+TEST_F(CollectivesTest, TheDefaultAllToAllGathersAndKeepsTheBlocks) {
+  WithoutAllToAll forwarding(comm_.get());
+  for (int64_t n : {int64_t{0}, int64_t{5}, int64_t{70001}}) {
+    SCOPED_TRACE(n);
+    const at::Tensor input = at::arange(n * size_, at::kLong) + 1000000 * rank_;
+    at::Tensor output = at::full({n * size_}, -1, at::kLong);
+    const int before = forwarding.all_gathers;
+    forwarding.AllToAll(output, input);
+    EXPECT_EQ(forwarding.all_gathers, before + 1);
+    for (int r = 0; r < size_; ++r) {
+      EXPECT_TRUE(output.narrow(0, r * n, n).equal(at::arange(rank_ * n, (rank_ + 1) * n, at::kLong) + 1000000 * r))
+          << "block from rank " << r;
+    }
+  }
+  EXPECT_THROW(forwarding.AllToAllAsync(at::ones({size_ + 1}), at::ones({size_ + 1}), {}), InvalidArgumentError);
+}
+
 TEST_F(CollectivesTest, BroadcastFromEveryRoot) {
   for (int root = 0; root < size_; ++root) {
     for (int64_t n : kSizes) {
