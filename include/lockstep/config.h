@@ -124,6 +124,8 @@ ShardingOptions ToEvalSharding(const config::TrainerConfig& config, const Runtim
 int64_t SequenceLength(const config::TrainerConfig& config);
 // This rank's train batches: a ShardedBatchIterator over images; over tokens, a
 // TokenWindowIterator behind a PrefetchingIterator of data.prefetch_batches.
+// Throws InvalidArgumentError naming data.global_batch_size when it is larger than
+// the train set (its examples, or its windows of SequenceLength tokens).
 std::unique_ptr<BatchIterator> MakeTrainIterator(const config::TrainerConfig& config, const Datasets& data,
                                                  const Runtime& runtime);
 // This rank's eval batches, one pass in order.

@@ -241,6 +241,20 @@ TokenWindowOptions ToTokenWindows(const ShardingOptions& sharding, const config:
 
 std::unique_ptr<BatchIterator> MakeTrainIterator(const config::TrainerConfig& cfg, const Datasets& data,
                                                  const Runtime& runtime) {
+  // A global batch larger than the train set cannot be filled: every step would be
+  // the whole set (a smaller batch than asked, and with a huge number, a step that
+  // takes hours or more memory than the machine has). Refuse it by name.
+  const int64_t batch = cfg.data().global_batch_size();
+  const int64_t examples =
+      data.tokens() ? (data.train_tokens->size() - 1) / std::max<int64_t>(1, SequenceLength(cfg)) : data.train->size();
+  if (batch > examples) {
+    throw InvalidArgumentError(absl::StrFormat(
+        "config: data.global_batch_size=%d is larger than the train set, which holds %d %s; "
+        "use a global batch of at most %d",
+        batch, examples,
+        data.tokens() ? absl::StrFormat("windows of %d tokens", SequenceLength(cfg)) : std::string("examples"),
+        examples));
+  }
   if (!data.tokens()) return std::make_unique<ShardedBatchIterator>(data.train, ToTrainSharding(cfg, runtime));
   TokenWindowOptions o = ToTokenWindows(ToTrainSharding(cfg, runtime), cfg);
   o.random_windows = true;

@@ -68,3 +68,12 @@ status=$?
 set -e
 [[ $status -eq 2 ]] && grep -q "not gpt" "$work/mlp.err" || { cat "$work/mlp.err"; fail "an MLP run: exit $status"; }
 echo "OK: lockstep_sample: $(tr '\n' ' ' < "$work/sample1.txt")"
+
+# A global batch of more windows than the train tokens hold is refused by name.
+set +e
+"$train" "$config" --set="$flags,data.global_batch_size=2147483647,output_dir=$work/huge" > "$work/huge.log" 2>&1
+status=$?
+set -e
+[[ $status -eq 1 ]] && grep -q -E "data.global_batch_size=2147483647 is larger than the train set, which holds [0-9]+ windows of 32 tokens" "$work/huge.log" ||
+  { cat "$work/huge.log"; fail "a global batch larger than the train windows: exit $status"; }
+echo "OK: $(grep -o 'data.global_batch_size=2147483647.*' "$work/huge.log")"

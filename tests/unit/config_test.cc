@@ -276,6 +276,23 @@ TEST_F(TrainBinaryTest, MissingDataIsARuntimeFailureNamingTheFile) {
   EXPECT_THAT(r.output, HasSubstr(dir_ + "/nowhere/train-images-idx3-ubyte.gz"));
 }
 
+TEST_F(TrainBinaryTest, AGlobalBatchLargerThanTheTrainSetIsRefusedByName) {
+  // Found by the fault suite's config mutations: data { global_batch_size: 2147483647 }
+  // was accepted, and every step then ran on the whole train set until it was killed.
+  const std::string common = "--set=data.source=SYNTHETIC,model.name=mlp,num_train_steps=2,eval_every_steps=0,"
+                             "data.synthetic_train_examples=64,data.synthetic_eval_examples=8,output_dir=" +
+                             dir_ + "/run,data.global_batch_size=";
+  for (const std::string batch : {"65", "2147483647"}) {
+    const Result r = RunTrainBinary(common + batch);
+    EXPECT_EQ(r.exit_code, 1) << r.output;
+    EXPECT_THAT(r.output, HasSubstr("data.global_batch_size=" + batch +
+                                    " is larger than the train set, which holds 64 examples; use a global batch of "
+                                    "at most 64"));
+  }
+  const Result r = RunTrainBinary(common + "64");
+  EXPECT_EQ(r.exit_code, 0) << "the whole set is one batch\n" << r.output;
+}
+
 TEST_F(TrainBinaryTest, LanguageModelErrorsNameTheFieldOrTheCommandThatPreparesTheData) {
   Result r = RunTrainBinary("--config=" + std::string(LOCKSTEP_SOURCE_DIR) +
                             "/configs/kjv_gpt.textproto --set=model.num_heads=5,output_dir=" + dir_ + "/out");
@@ -315,7 +332,8 @@ TEST_F(TrainBinaryTest, TrainsOnSyntheticDataAndWritesTheResolvedConfig) {
 
 TEST_F(TrainBinaryTest, ThreadsFollowOmpNumThreadsUnlessTheConfigSetsThem) {
   const std::string common = "--set=data.source=SYNTHETIC,model.name=mlp,num_train_steps=1,eval_every_steps=0,"
-                             "data.synthetic_train_examples=64,data.synthetic_eval_examples=8,output_dir=" +
+                             "data.global_batch_size=32,data.synthetic_train_examples=64,"
+                             "data.synthetic_eval_examples=8,output_dir=" +
                              dir_ + "/run";
   for (const auto& [args, threads] : std::vector<std::pair<std::string, std::string>>{
            {common, "3"}, {common + ",num_threads=2", "2"}}) {
