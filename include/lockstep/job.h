@@ -30,6 +30,7 @@
 #include <map>
 #include <memory>
 #include <optional>
+#include <set>
 #include <string>
 #include <utility>
 #include <vector>
@@ -332,6 +333,14 @@ struct JobOptions {
   // sets' make_iterator must give the new world's shards from then on. Required
   // when the environment is fault-tolerant.
   std::function<std::unique_ptr<BatchIterator>(int rank, int world_size)> on_world_changed;
+  // The train steps to record on a timeline (state.step after the step: 1 is the
+  // first), whatever the BaseTrainer: Run records them on the trainer
+  // (BaseTrainer::set_timeline) and each rank writes
+  // <trace_dir>/rank_<r>.json, a Chrome trace (lockstep/timeline.h), after each of
+  // them; the trainer's own timeline, if any, is put back after Run. Empty: the
+  // trainer's own timeline, if any, records. trace_dir is required with steps.
+  std::set<int64_t> trace_steps;
+  std::string trace_dir;
 };
 
 struct JobResult {
@@ -353,7 +362,8 @@ class TrainingJob {
 
   // Runs the job (see above). `checkpoints` may be null: no checkpoints and no
   // resume; a preemption then stops without saving. Not owned.
-  // Errors: InvalidArgumentError before the first step for bad options, an
+  // Errors: InvalidArgumentError before the first step for bad options (trace
+  // steps without trace_dir, or below 1), an
   // optimizer whose state cannot be saved (naming its type), or train data that
   // cannot save its position; CheckpointError for a checkpoint that cannot be
   // resumed or written; anything the trainer throws. A failure caused by a

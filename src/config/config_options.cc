@@ -48,6 +48,8 @@ JobOptions ToJobOptions(const config::TrainerConfig& cfg) {
   o.num_train_steps = cfg.num_train_steps();
   o.eval_every_steps = cfg.eval_every_steps();
   o.final_checkpoint = cfg.checkpoint().final();
+  o.trace_steps = std::set<int64_t>(cfg.trace_steps().begin(), cfg.trace_steps().end());
+  if (!o.trace_steps.empty()) o.trace_dir = (std::filesystem::path(cfg.output_dir()) / "trace").string();
   return o;
 }
 

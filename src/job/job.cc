@@ -28,6 +28,7 @@
 #include "lockstep/gloo_communicator.h"
 #include "lockstep/nccl_communicator.h"
 #include "lockstep/optimizer_state_codec.h"
+#include "lockstep/timeline.h"
 #include "lockstep/trainer.h"
 #if LOCKSTEP_HAVE_MPI
 #include "lockstep/mpi_communicator.h"
@@ -768,15 +769,33 @@ TrainingJob::TrainingJob(JobEnvironment* environment, JobOptions options, Preemp
 
 JobResult TrainingJob::Run(BaseTrainer& trainer, BatchIterator& train_data, const std::vector<EvalSet>& eval_sets,
                            CheckpointManager* checkpoints) {
+  // The timeline of options_.trace_steps records on the trainer for this call.
+  std::unique_ptr<Timeline> timeline;
+  if (!options_.trace_steps.empty()) {
+    if (options_.trace_dir.empty()) {
+      throw InvalidArgumentError("TrainingJob: JobOptions.trace_steps needs a trace_dir to write the traces to");
+    }
+    if (*options_.trace_steps.begin() < 1) {
+      throw InvalidArgumentError(absl::StrCat("TrainingJob: JobOptions.trace_steps must be >= 1 (1 is the first "
+                                              "step), got ", *options_.trace_steps.begin()));
+    }
+    const int rank = trainer.runtime().rank;
+    timeline = std::make_unique<Timeline>(
+        (std::filesystem::path(options_.trace_dir) / absl::StrCat("rank_", rank, ".json")).string(), rank,
+        options_.trace_steps);
+  }
   // The stop check and the update hook capture this call's locals and the
-  // checkpoint manager: they must not outlive it.
+  // checkpoint manager, and the timeline is this call's: they must not outlive it.
   struct ClearHooks {
     BaseTrainer& trainer;
+    Timeline* own_timeline;
     ~ClearHooks() {
       trainer.set_stop_check(nullptr);
       trainer.set_before_update(nullptr);
+      trainer.set_timeline(own_timeline);
     }
-  } clear{trainer};
+  } clear{trainer, trainer.timeline()};
+  if (timeline != nullptr) trainer.set_timeline(timeline.get());
   try {
     return RunOrThrow(trainer, train_data, eval_sets, checkpoints);
   } catch (const std::exception& e) {

@@ -17,7 +17,6 @@
 #include <cstdlib>
 #include <filesystem>
 #include <memory>
-#include <set>
 #include <string>
 #include <vector>
 
@@ -25,7 +24,6 @@
 #include "absl/flags/parse.h"
 #include "absl/flags/usage.h"
 #include "absl/strings/numbers.h"
-#include "absl/strings/str_format.h"
 #include "lockstep/agreement.h"
 #include "lockstep/checkpoint.h"
 #include "lockstep/config.h"
@@ -134,20 +132,10 @@ int Run(const config::TrainerConfig& cfg, const Runtime& runtime, std::unique_pt
     const auto* gpt = dynamic_cast<const GptImpl*>(model.module.get());
     loss = gpt != nullptr ? LanguageModelLoss(gpt->vocab_axis(), gpt->vocab_begin()) : LanguageModelLoss();
   }
-  std::unique_ptr<Timeline> timeline;  // outlives the trainer that records on it
-  if (cfg.trace_steps_size() > 0) {
-    const std::string path =
-        (std::filesystem::path(cfg.output_dir()) / "trace" / absl::StrFormat("rank_%d.json", runtime.rank)).string();
-    timeline = std::make_unique<Timeline>(path, runtime.rank,
-                                          std::set<int64_t>(cfg.trace_steps().begin(), cfg.trace_steps().end()));
-  }
   Trainer trainer(state, model.apply, loss, options, runtime);
-  if (timeline != nullptr) {
-    trainer.set_timeline(timeline.get());
-    if (runtime.is_chief()) {
-      std::printf("Timeline: %d step(s) traced to %s/trace/rank_<r>.json (open in https://ui.perfetto.dev)\n",
-                  cfg.trace_steps_size(), cfg.output_dir().c_str());
-    }
+  if (cfg.trace_steps_size() > 0 && runtime.is_chief()) {  // the job records them (JobOptions::trace_steps)
+    std::printf("Timeline: %d step(s) traced to %s/trace/rank_<r>.json (open in https://ui.perfetto.dev)\n",
+                cfg.trace_steps_size(), cfg.output_dir().c_str());
   }
   if (DataParallel* replicated = trainer.data_parallel(); replicated != nullptr && runtime.is_chief()) {
     std::printf("Communication: %s\n", replicated->bucketer().description().c_str());

@@ -28,6 +28,39 @@ HalfPrecisionHook::HalfPrecisionHook(at::ScalarType dtype) : dtype_(dtype) {
 
 std::string HalfPrecisionHook::name() const { return dtype_ == at::kBFloat16 ? "bf16" : "fp16"; }
 
+namespace {
+
+internal::HalfFormat FormatOf(at::ScalarType dtype) {
+  return dtype == at::kBFloat16 ? internal::HalfFormat::kBFloat16 : internal::HalfFormat::kHalf;
+}
+
+// Adds `world` consecutive parts of `length` 16-bit values (`halves`, stored as
+// half and read as `dtype`, rank 0's part first) into `sum`, in rank order, so
+// every rank gets the same bits. With `kernel`, half_kernel.h's loops into a
+// contiguous float32 CPU `sum`; otherwise libtorch widens each part as it adds it
+// (into float32 for a sum; one part is copied into `sum` as it is).
+void SumHalfParts(const at::Tensor& halves, at::ScalarType dtype, bool kernel, int world, int64_t length,
+                  const at::Tensor& sum) {
+  if (kernel) {
+    const auto* base = reinterpret_cast<const uint16_t*>(halves.data_ptr());
+    std::vector<const uint16_t*> parts(world);
+    for (int r = 0; r < world; ++r) parts[r] = base + r * length;
+    internal::SumHalves(FormatOf(dtype), parts.data(), world, sum.data_ptr<float>(), length);
+    return;
+  }
+  const at::Tensor values = halves.view(dtype).view({world, length});
+  if (world == 1 || sum.scalar_type() == at::kFloat) {
+    sum.copy_(values.select(0, 0));
+    for (int r = 1; r < world; ++r) sum.add_(values.select(0, r));
+    return;
+  }
+  at::Tensor wide = values.select(0, 0).to(at::kFloat);
+  for (int r = 1; r < world; ++r) wide.add_(values.select(0, r));
+  sum.copy_(wide);
+}
+
+}  // namespace
+
 // A bucket among 3 or more ranks in two phases: an all-to-all sends slice j of
 // every rank's 16-bit values to rank j, which sums them in float32; then the
 // sums, rounded to 16 bits again, travel back by all-gather. Each phase moves
@@ -37,7 +70,6 @@ struct internal::SlicedHalfBucket {
   CollectiveOptions options;
   at::Tensor buffer;      // the bucket: float32 (or other) values in, the sums out
   at::ScalarType dtype;   // bf16 or fp16
-  internal::HalfFormat format;
   bool kernel = false;    // half_kernel.h's loops (a float32 CPU bucket)
   int world = 1;
   int rank = 0;
@@ -53,22 +85,14 @@ struct internal::SlicedHalfBucket {
     at::NoGradGuard no_grad;
     exchange->Wait();
     exchange.reset();
-    at::Tensor sum = at::empty({chunk}, buffer.options().dtype(at::kFloat));
-    if (kernel) {
-      const auto* base = reinterpret_cast<const uint16_t*>(received.data_ptr());
-      std::vector<const uint16_t*> parts(world);
-      for (int r = 0; r < world; ++r) parts[r] = base + r * chunk;
-      internal::SumHalves(format, parts.data(), world, sum.data_ptr<float>(), chunk);
-    } else {
-      const at::Tensor values = received.view(dtype).view({world, chunk});
-      sum.copy_(values.select(0, 0));
-      for (int r = 1; r < world; ++r) sum.add_(values.select(0, r));
-    }
+    const at::Tensor sum = at::empty({chunk}, buffer.options().dtype(at::kFloat));
+    SumHalfParts(received, dtype, kernel, world, chunk, sum);
     // fp16 sends the mean: a sum of in-range values may pass 65504, their mean cannot.
     if (dtype == at::kHalf) sum.div_(world);
     at::Tensor own = gathered.narrow(0, rank * chunk, chunk);
     if (kernel) {
-      internal::RoundToHalf(format, sum.data_ptr<float>(), reinterpret_cast<uint16_t*>(own.data_ptr()), chunk);
+      internal::RoundToHalf(FormatOf(dtype), sum.data_ptr<float>(), reinterpret_cast<uint16_t*>(own.data_ptr()),
+                            chunk);
     } else {
       own.copy_(sum.to(dtype).view(at::kHalf));
     }
@@ -79,14 +103,9 @@ struct internal::SlicedHalfBucket {
   // Waits for the all-gather and widens the sums into the bucket.
   void Finish() {
     at::NoGradGuard no_grad;
-    if (!gather) StartGather();
+    StartGather();  // a no-op when the next bucket's Run started it
     gather->Wait();
-    if (kernel) {
-      const auto* sums = reinterpret_cast<const uint16_t*>(gathered.data_ptr());
-      internal::SumHalves(format, &sums, 1, buffer.data_ptr<float>(), n);  // one part: widened exactly
-    } else {
-      buffer.copy_(gathered.narrow(0, 0, n).view(dtype));
-    }
+    SumHalfParts(gathered.narrow(0, 0, n), dtype, kernel, 1, n, buffer);  // one part: widened exactly
     if (dtype == at::kHalf) buffer.mul_(world);
     buffer = at::Tensor();
     gathered = at::Tensor();
@@ -101,8 +120,7 @@ std::shared_ptr<Work> HalfPrecisionHook::Run(Communicator& communicator, const G
   const at::Tensor buffer = bucket.buffer;
   const int64_t n = buffer.numel();
   const int world = communicator.world_size();
-  const internal::HalfFormat format =
-      dtype_ == at::kBFloat16 ? internal::HalfFormat::kBFloat16 : internal::HalfFormat::kHalf;
+  const internal::HalfFormat format = FormatOf(dtype_);
   // A float32 bucket on the CPU takes the vectorised loops of half_kernel.h (the
   // same bits as libtorch's casts, in about half the time); anything else libtorch's.
   const bool kernel = buffer.device().is_cpu() && buffer.scalar_type() == at::kFloat && buffer.is_contiguous() &&
@@ -137,7 +155,6 @@ std::shared_ptr<Work> HalfPrecisionHook::Run(Communicator& communicator, const G
     state->options = options;
     state->buffer = buffer;
     state->dtype = dtype_;
-    state->format = format;
     state->kernel = kernel;
     state->world = world;
     state->rank = communicator.rank();
@@ -154,26 +171,10 @@ std::shared_ptr<Work> HalfPrecisionHook::Run(Communicator& communicator, const G
   at::Tensor gathered = at::empty({world * n}, compressed.options());
   std::shared_ptr<Work> work = communicator.AllGatherAsync(gathered, compressed, options);
   const at::ScalarType dtype = dtype_;
-  return Then(std::move(work), [buffer, gathered, compressed, dtype, format, kernel, world, n] {
+  // `compressed` stays alive until the all-gather is done.
+  return Then(std::move(work), [buffer, gathered, compressed, dtype, kernel, world, n] {
     at::NoGradGuard no_grad;
-    // Rank 0's values, then rank 1's, ...: the same float32 sum on every rank.
-    if (kernel) {
-      const auto* base = reinterpret_cast<const uint16_t*>(gathered.data_ptr());
-      std::vector<const uint16_t*> parts(world);
-      for (int r = 0; r < world; ++r) parts[r] = base + r * n;
-      internal::SumHalves(format, parts.data(), world, buffer.data_ptr<float>(), n);
-      return;
-    }
-    // Widened as they are added into the buffer (no temporaries).
-    const at::Tensor values = gathered.view(dtype).view({world, n});
-    if (buffer.scalar_type() == at::kFloat) {
-      buffer.copy_(values.select(0, 0));
-      for (int r = 1; r < world; ++r) buffer.add_(values.select(0, r));
-    } else {
-      at::Tensor sum = values.select(0, 0).to(at::kFloat);
-      for (int r = 1; r < world; ++r) sum.add_(values.select(0, r));
-      buffer.copy_(sum);
-    }
+    SumHalfParts(gathered, dtype, kernel, world, n, buffer);  // rank 0's values, then rank 1's, ...
   });
 }
 

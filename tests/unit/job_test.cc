@@ -11,7 +11,9 @@
 #include <algorithm>
 #include <atomic>
 #include <filesystem>
+#include <fstream>
 #include <future>
+#include <iterator>
 #include <map>
 #include <memory>
 #include <random>
@@ -28,6 +30,7 @@
 #include "lockstep/job.h"
 #include "lockstep/models.h"
 #include "lockstep/optimizer_state_codec.h"
+#include "lockstep/timeline.h"
 #include "lockstep/trainer.h"
 #include "tests/testing/coordination_clients.h"
 #include "tests/testing/temp_dir.h"
@@ -550,6 +553,90 @@ TEST(TrainingJobTest, RefusesAtStartUpWhatCheckpointsCouldNotSaveOrResume) {
   EXPECT_EQ(ExitCodeFor(StopReason::kHalted), 0);
   EXPECT_EQ(ExitCodeFor(StopReason::kDiverged), 3);
   EXPECT_EQ(ExitCodeFor(StopReason::kPeerFailed), 4);
+}
+
+std::string ReadWholeFile(const std::string& path) {
+  std::ifstream in(path);
+  return std::string(std::istreambuf_iterator<char>(in), std::istreambuf_iterator<char>());
+}
+
+int CountOf(const std::string& text, const std::string& what) {
+  int n = 0;
+  for (size_t at = text.find(what); at != std::string::npos; at = text.find(what, at + 1)) ++n;
+  return n;
+}
+
+// A BaseTrainer of its own (not Trainer): one SGD step on the tiny model, with a
+// span of its own on the timeline that the job gives it.
+class PlainTrainer final : public BaseTrainer {
+ public:
+  PlainTrainer(TrainState& state, ApplyFn apply) : BaseTrainer(state, Runtime::SingleProcess()), apply_(apply) {}
+
+ protected:
+  MetricMap TrainStep(const Batch& batch) override {
+    const TimelineSpan span(timeline(), "plain step");
+    state().optimizer->zero_grad();
+    at::Tensor loss = at::cross_entropy_loss(apply_(*state().model, batch.inputs), batch.targets);
+    loss.backward();
+    state().optimizer->step();
+    ++state().step;
+    return {{kLoss, loss.item<double>()}};
+  }
+  MetricSums EvalStep(const Batch& batch) override {
+    (void)batch;
+    return {};
+  }
+
+ private:
+  ApplyFn apply_;
+};
+
+TEST(TrainingJobTest, TraceStepsAreRecordedOnAnyBaseTrainerAndItsOwnTimelineComesBack) {
+  testing::TempDir dir;
+  JobOptions options;
+  options.num_train_steps = 6;
+  options.trace_steps = {2, 5};
+  options.trace_dir = dir.path() + "/trace";
+  {
+    JobSetup setup;
+    PlainTrainer trainer(setup.state, setup.model.apply);
+    ShardedBatchIterator train(setup.train, TrainSharding());
+    Timeline own(dir.path() + "/own.json", 0, {1});
+    trainer.set_timeline(&own);
+    const JobResult result = TrainingJob(nullptr, options).Run(trainer, train, {}, nullptr);
+    EXPECT_EQ(result.step, 6);
+    EXPECT_EQ(trainer.timeline(), &own) << "the trainer's own timeline is put back";
+    EXPECT_FALSE(std::filesystem::exists(own.path())) << "the job's timeline recorded instead of the trainer's";
+  }
+  const std::string plain = ReadWholeFile(dir.path() + "/trace/rank_0.json");
+  EXPECT_THAT(plain, HasSubstr("\"traceEvents\""));
+  EXPECT_THAT(plain, HasSubstr("{\"name\": \"step 2\", \"ph\": \"X\""));
+  EXPECT_THAT(plain, HasSubstr("{\"name\": \"step 5\", \"ph\": \"X\""));
+  EXPECT_EQ(CountOf(plain, "\"name\": \"step "), 2) << "only the chosen steps\n" << plain;
+  EXPECT_EQ(CountOf(plain, "\"name\": \"plain step\""), 2) << plain;
+  EXPECT_EQ(CountOf(plain, "\"name\": \"data wait\""), 2) << plain;
+
+  // Trainer adds the step's phases, on the same options.
+  testing::TempDir trainer_dir;
+  options.trace_steps = {3};
+  options.trace_dir = trainer_dir.path();
+  JobSetup setup;
+  Trainer trainer(setup.state, setup.model.apply, CrossEntropyLoss(), QuietTrainer());
+  ShardedBatchIterator train(setup.train, TrainSharding());
+  TrainingJob(nullptr, options).Run(trainer, train, {}, nullptr);
+  EXPECT_EQ(trainer.timeline(), nullptr);
+  const std::string phases = ReadWholeFile(trainer_dir.path() + "/rank_0.json");
+  for (const std::string span : {"step 3", "data wait", "forward", "backward", "norms and optimizer"}) {
+    EXPECT_EQ(CountOf(phases, "\"name\": \"" + span + "\""), 1) << span << "\n" << phases;
+  }
+
+  options.trace_dir = "";
+  EXPECT_THAT([&] { TrainingJob(nullptr, options).Run(trainer, train, {}, nullptr); },
+              ::testing::ThrowsMessage<InvalidArgumentError>(HasSubstr("trace_steps needs a trace_dir")));
+  options.trace_dir = trainer_dir.path();
+  options.trace_steps = {0, 4};
+  EXPECT_THAT([&] { TrainingJob(nullptr, options).Run(trainer, train, {}, nullptr); },
+              ::testing::ThrowsMessage<InvalidArgumentError>(HasSubstr("trace_steps must be >= 1")));
 }
 
 TEST(TrainingJobTest, AnActionsHaltIsReportedWithItsReason) {
