@@ -38,6 +38,8 @@ namespace lockstep {
 at::Tensor CopyToModelParallel(const at::Tensor& x, Communicator* model);
 at::Tensor ReduceFromModelParallel(const at::Tensor& x, Communicator* model);
 
+// The products are Linear's (linear.h): oneDNN's GEMM for CPU float32, as in the
+// unsplit model, else at::linear.
 // y_local = f(x) weight_local^T + bias_local (bias may be undefined).
 at::Tensor ColumnParallelLinear(const at::Tensor& x, const at::Tensor& weight_local, const at::Tensor& bias_local,
                                 Communicator* model);

@@ -8,6 +8,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "lockstep/errors.h"
+#include "lockstep/linear.h"
 
 namespace lockstep {
 namespace {
@@ -99,13 +100,13 @@ at::Tensor ReduceFromModelParallel(const at::Tensor& x, Communicator* model) {
 
 at::Tensor ColumnParallelLinear(const at::Tensor& x, const at::Tensor& weight_local, const at::Tensor& bias_local,
                                 Communicator* model) {
-  return at::linear(CopyToModelParallel(x, model), weight_local, bias_local);
+  return Linear(CopyToModelParallel(x, model), weight_local, bias_local);
 }
 
 at::Tensor RowParallelLinear(const at::Tensor& x_local, const at::Tensor& weight_local, const at::Tensor& bias,
                              Communicator* model) {
-  if (Alone(model)) return at::linear(x_local, weight_local, bias);
-  at::Tensor y = ReduceFromModelParallel(at::linear(x_local, weight_local), model);
+  if (Alone(model)) return Linear(x_local, weight_local, bias);
+  at::Tensor y = ReduceFromModelParallel(Linear(x_local, weight_local), model);
   return bias.defined() ? y + bias : y;
 }
 
