@@ -247,14 +247,18 @@ std::unique_ptr<BatchIterator> MakeTrainIterator(const config::TrainerConfig& cf
   // the whole set (a smaller batch than asked, and with a huge number, a step that
   // takes hours or more memory than the machine has). Refuse it by name.
   const int64_t batch = cfg.data().global_batch_size();
-  const int64_t examples =
-      data.tokens() ? (data.train_tokens->size() - 1) / std::max<int64_t>(1, SequenceLength(cfg)) : data.train->size();
+  // (A non-positive sequence length, in a config that skipped validation, is left
+  // to TokenWindowIterator, which refuses it by name.)
+  const int64_t length = SequenceLength(cfg);
+  const int64_t examples = !data.tokens() ? data.train->size()
+                           : length > 0   ? TokenWindowIterator::Windows(data.train_tokens->size(), length)
+                                          : batch;
   if (batch > examples) {
     throw InvalidArgumentError(absl::StrFormat(
         "config: data.global_batch_size=%d is larger than the train set, which holds %d %s; "
         "use a global batch of at most %d",
         batch, examples,
-        data.tokens() ? absl::StrFormat("windows of %d tokens", SequenceLength(cfg)) : std::string("examples"),
+        data.tokens() ? absl::StrFormat("windows of %d tokens", length) : std::string("examples"),
         examples));
   }
   if (!data.tokens()) return std::make_unique<ShardedBatchIterator>(data.train, ToTrainSharding(cfg, runtime));

@@ -63,7 +63,7 @@ TokenWindowIterator::TokenWindowIterator(std::shared_ptr<const TokenFile> tokens
                                             tokens_ ? tokens_->size() : 0, " tokens, fewer than one window of ",
                                             o.sequence_length + 1));
   }
-  windows_ = (tokens_->size() - 1) / o.sequence_length;
+  windows_ = Windows(tokens_->size(), o.sequence_length);
   batches_per_epoch_ = o.random_windows ? std::max<int64_t>(1, windows_ / o.global_batch_size)
                                         : (windows_ + o.global_batch_size - 1) / o.global_batch_size;
 }

@@ -282,8 +282,18 @@ void Trainer::ChangeCommunicator(Communicator* communicator) {
 }
 
 MetricMap Trainer::TrainStep(const Batch& batch) {
-  options_.step.timeline = timeline();
-  if (data_parallel_) data_parallel_->bucketer().set_timeline(timeline());
+  // The timeline is lent for this step only: whoever owns it (TrainingJob::Run
+  // lends one for a run) may destroy it once the step is over, so no copy of
+  // the pointer is kept past it.
+  struct LendTimeline {
+    Trainer& trainer;
+    explicit LendTimeline(Trainer& t) : trainer(t) { Set(trainer.timeline()); }
+    ~LendTimeline() { Set(nullptr); }
+    void Set(Timeline* timeline) {
+      trainer.options_.step.timeline = timeline;
+      if (trainer.data_parallel_) trainer.data_parallel_->bucketer().set_timeline(timeline);
+    }
+  } lend(*this);
   MetricMap metrics = RunTrainStep(state(), batch, apply_, loss_, options_.step);
   // Every rank of a model-axis group computed the same values from the same
   // examples: the group's first rank speaks for it.
