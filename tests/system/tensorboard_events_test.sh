@@ -3,7 +3,8 @@
 # plots on rank 0 only; an independent Python reader decodes the events (checksums
 # verified) and finds every tag, step and value of metrics.jsonl. A second run with
 # trace_steps writes each rank's Chrome trace of exactly those steps, with every
-# phase and the gradient bucket's all-reduce inside each step.
+# phase and the gradient bucket's all-reduce inside each step, which
+# tools/timeline_svg.py draws.
 # Usage: tensorboard_events_test.sh SOURCE_DIR LOCKSTEP_TRAIN MPIRUN...
 set -euo pipefail
 source_dir=$1
@@ -51,6 +52,19 @@ for name in files:
                 sys.exit(f"FAIL: {name}: no '{phase}' inside {step['name']} (found {sorted(inside)})")
 print("trace OK:", ", ".join(files))
 PY
+# tools/timeline_svg.py draws a traced step of both ranks as well-formed SVG with
+# the bucket's span, and refuses a step that was not traced.
+/usr/bin/python3 "$source_dir/tools/timeline_svg.py" "$work"/traced/trace/rank_*.json --step 4 -o "$work/step4.svg"
+/usr/bin/python3 -c 'import sys, xml.etree.ElementTree as ET; ET.parse(sys.argv[1])' "$work/step4.svg" ||
+  { echo "FAIL: timeline_svg.py wrote malformed SVG"; exit 1; }
+for want in "rank 0" "rank 1" "bucket 0 all-reduce"; do
+  grep -q "$want" "$work/step4.svg" || { echo "FAIL: the drawn step has no '$want'"; exit 1; }
+done
+if /usr/bin/python3 "$source_dir/tools/timeline_svg.py" "$work"/traced/trace/rank_*.json --step 3 -o "$work/step3.svg" \
+     2> "$work/svg.err"; then
+  echo "FAIL: timeline_svg.py drew step 3, which was not traced"; exit 1
+fi
+grep -q "step 3 is not traced; traced: \[2, 4\]" "$work/svg.err" || { cat "$work/svg.err"; echo "FAIL: no clear message"; exit 1; }
 # Last: its "OK: N scalars" line is what ctest looks for (PASS_REGULAR_EXPRESSION,
 # which ignores the exit status), so every other check must come before it.
 /usr/bin/python3 "$source_dir/tests/system/read_tensorboard_events.py" "$source_dir" "$work/run"
