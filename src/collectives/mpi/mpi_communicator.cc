@@ -548,18 +548,24 @@ class MpiCommunicator final : public Communicator {
           continue;
         }
       }
+      std::exception_ptr failure;
       try {
         task.run(task.work->deadline());
-        task.work->Finish(nullptr);
       } catch (const CollectiveTimeoutError&) {
         const std::string message = MpiWork::TimeoutMessage(task.work->what(), task.work->timeout());
         Break(message);
-        task.work->Finish(std::make_exception_ptr(CollectiveTimeoutError(message)));
+        failure = std::make_exception_ptr(CollectiveTimeoutError(message));
       } catch (const std::exception& e) {
         const std::string message = task.work->what() + " failed: " + e.what();
         Break(message);
-        task.work->Finish(std::make_exception_ptr(CollectiveError(message)));
+        failure = std::make_exception_ptr(CollectiveError(message));
       }
+      // The call's tensors are let go before the caller hears it is done: once Wait
+      // returns, the caller's references are the only ones (this thread frees
+      // nothing the caller may still be reading, and memory comes back when the
+      // caller drops it, not when this thread gets round to it).
+      task.run = nullptr;
+      task.work->Finish(failure);
     }
   }
 
