@@ -78,7 +78,8 @@ class TokenWindowIterator final : public BatchIterator {
   int64_t batches_per_epoch() const { return batches_per_epoch_; }
   // The non-overlapping windows of `sequence_length` + 1 tokens (each window's
   // last token is the next one's first) that a file of `tokens` tokens holds.
-  static int64_t Windows(int64_t tokens, int64_t sequence_length) { return (tokens - 1) / sequence_length; }
+  // Throws InvalidArgumentError when `sequence_length` is not positive.
+  static int64_t Windows(int64_t tokens, int64_t sequence_length);
   // The first token of global example `example` of global batch `batch` of `epoch`.
   int64_t WindowStart(int64_t epoch, int64_t batch, int64_t example) const;
 

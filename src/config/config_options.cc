@@ -247,12 +247,11 @@ std::unique_ptr<BatchIterator> MakeTrainIterator(const config::TrainerConfig& cf
   // the whole set (a smaller batch than asked, and with a huge number, a step that
   // takes hours or more memory than the machine has). Refuse it by name.
   const int64_t batch = cfg.data().global_batch_size();
-  // (A non-positive sequence length, in a config that skipped validation, is left
-  // to TokenWindowIterator, which refuses it by name.)
+  // (Windows refuses a non-positive sequence length by name, in a config that
+  // skipped validation.)
   const int64_t length = SequenceLength(cfg);
-  const int64_t examples = !data.tokens() ? data.train->size()
-                           : length > 0   ? TokenWindowIterator::Windows(data.train_tokens->size(), length)
-                                          : batch;
+  const int64_t examples =
+      data.tokens() ? TokenWindowIterator::Windows(data.train_tokens->size(), length) : data.train->size();
   if (batch > examples) {
     throw InvalidArgumentError(absl::StrFormat(
         "config: data.global_batch_size=%d is larger than the train set, which holds %d %s; "

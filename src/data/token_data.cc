@@ -50,6 +50,11 @@ std::shared_ptr<const TokenFile> TokenFile::Open(const std::string& path) {
 
 TokenFile::~TokenFile() { ::munmap(const_cast<uint8_t*>(data_), static_cast<size_t>(size_)); }
 
+int64_t TokenWindowIterator::Windows(int64_t tokens, int64_t sequence_length) {
+  if (sequence_length <= 0) throw InvalidArgumentError("token windows: sequence_length must be positive");
+  return (tokens - 1) / sequence_length;
+}
+
 TokenWindowIterator::TokenWindowIterator(std::shared_ptr<const TokenFile> tokens, TokenWindowOptions options)
     : tokens_(std::move(tokens)), options_(options) {
   const TokenWindowOptions& o = options_;

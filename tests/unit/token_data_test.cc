@@ -174,6 +174,9 @@ TEST(TokenDataTest, BadInputIsNamed) {
   auto ok = TokenFile::Open(WriteTokens(dir, Text(100), "ok.bin"));
   EXPECT_THAT([&] { TokenWindowIterator it(ok, Options(2, 2)); },
               ::testing::ThrowsMessage<InvalidArgumentError>(HasSubstr("rank 2 outside a world of 2")));
+  EXPECT_EQ(TokenWindowIterator::Windows(101, 10), 10);
+  EXPECT_THAT([] { TokenWindowIterator::Windows(101, 0); },
+              ::testing::ThrowsMessage<InvalidArgumentError>(HasSubstr("sequence_length must be positive")));
 }
 
 }  // namespace

@@ -533,6 +533,7 @@ class MpiCommunicator final : public Communicator {
   void WorkerLoop() {
     while (true) {
       Task task;
+      std::exception_ptr failure;
       {
         absl::MutexLock lock(&mu_);
         mu_.Await(absl::Condition(
@@ -544,13 +545,11 @@ class MpiCommunicator final : public Communicator {
         task = std::move(queue_.front());
         queue_.pop_front();
         if (!broken_reason_.empty()) {
-          task.work->Finish(std::make_exception_ptr(CollectiveError("MPI communicator is broken: " + broken_reason_)));
-          continue;
+          failure = std::make_exception_ptr(CollectiveError("MPI communicator is broken: " + broken_reason_));
         }
       }
-      std::exception_ptr failure;
       try {
-        task.run(task.work->deadline());
+        if (!failure) task.run(task.work->deadline());
       } catch (const CollectiveTimeoutError&) {
         const std::string message = MpiWork::TimeoutMessage(task.work->what(), task.work->timeout());
         Break(message);
@@ -560,7 +559,8 @@ class MpiCommunicator final : public Communicator {
         Break(message);
         failure = std::make_exception_ptr(CollectiveError(message));
       }
-      // The call's tensors are let go before the caller hears it is done: once Wait
+      // On every path (done, failed, or never run on a broken communicator) the
+      // call's tensors are let go before the caller hears it is done: once Wait
       // returns, the caller's references are the only ones (this thread frees
       // nothing the caller may still be reading, and memory comes back when the
       // caller drops it, not when this thread gets round to it).
