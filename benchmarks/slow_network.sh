@@ -49,12 +49,16 @@ link=/sys/class/net/lk${tag}v1/statistics
 link_bytes() { echo $(( $(cat "$link/rx_bytes") + $(cat "$link/tx_bytes") )); }
 
 common=(--model="$model" --batch_per_rank="$batch" --steps="$steps" --rounds=2 --warmup_steps=3 --breakdown_steps=2 --threads=1)
-mpirun_hosts() {  # mpirun_hosts HOSTS NP PROGRAM ARGS...: from node0, over eth0 only
+# mpirun_hosts HOSTS NP PROGRAM ARGS...: from node0, over eth0 only. Ranks fill
+# each host in turn (0 and 1 on node0), unless MAP_BY=node places them cyclically
+# (0 and 2 on node0), as Slurm's --distribution=cyclic does.
+mpirun_hosts() {
   local hosts=$1 np=$2
   shift 2
   cluster_exec node0 env OMPI_MCA_btl_vader_single_copy_mechanism=none OMPI_MCA_rmaps_base_oversubscribe=1 \
     mpirun --allow-run-as-root --oversubscribe --mca plm_rsh_agent "$work/cluster/agent" \
-    --mca btl_tcp_if_include eth0 --mca oob_tcp_if_include eth0 --bind-to none -np "$np" --host "$hosts" "$@"
+    --mca btl_tcp_if_include eth0 --mca oob_tcp_if_include eth0 --bind-to none ${MAP_BY:+--map-by "$MAP_BY"} \
+    -np "$np" --host "$hosts" "$@"
 }
 
 # record RATE LAYOUT NAME BYTES_BEFORE JSON_FILE: one JSON line with the link's bytes.
@@ -141,12 +145,20 @@ for rate in $rates; do
     ddp_train "$rate" 2x1 1 ddp-powersgd --hook powersgd --bucket-mb 200
   fi
   if has_layout 2x2; then
-    # Flat and hierarchical, uncompressed and with the bf16 hook, one after the other.
+    # Flat and hierarchical: uncompressed with the ranks placed in blocks and
+    # cyclically, then with the 16-bit hooks and PowerSGD (which needs whole
+    # buckets, so flat); DDP plain and with its hooks, ranks in blocks.
     lockstep_train "$rate" 2x2 node0:2,node1:2 4 lockstep-flat
     lockstep_train "$rate" 2x2 node0:2,node1:2 4 lockstep-hierarchical --hierarchical
+    MAP_BY=node lockstep_train "$rate" 2x2 node0:2,node1:2 4 lockstep-flat-cyclic
+    MAP_BY=node lockstep_train "$rate" 2x2 node0:2,node1:2 4 lockstep-hierarchical-cyclic --hierarchical
     lockstep_train "$rate" 2x2 node0:2,node1:2 4 lockstep-flat-bf16 --comm_hook=bf16
     lockstep_train "$rate" 2x2 node0:2,node1:2 4 lockstep-hierarchical-bf16 --hierarchical --comm_hook=bf16
+    lockstep_train "$rate" 2x2 node0:2,node1:2 4 lockstep-hierarchical-fp16 --hierarchical --comm_hook=fp16
+    lockstep_train "$rate" 2x2 node0:2,node1:2 4 lockstep-flat-powersgd --comm_hook=powersgd
     ddp_train "$rate" 2x2 2 ddp-none --hook none
+    ddp_train "$rate" 2x2 2 ddp-fp16 --hook fp16
+    ddp_train "$rate" 2x2 2 ddp-powersgd --hook powersgd --bucket-mb 200
   fi
 done
 

@@ -24,6 +24,10 @@ uint64_t Mix(uint64_t x) {  // SplitMix64's finaliser
   return x ^ (x >> 31);
 }
 
+void RequirePositiveLength(int64_t sequence_length) {
+  if (sequence_length <= 0) throw InvalidArgumentError("token windows: sequence_length must be positive");
+}
+
 }  // namespace
 
 std::shared_ptr<const TokenFile> TokenFile::Open(const std::string& path) {
@@ -51,14 +55,14 @@ std::shared_ptr<const TokenFile> TokenFile::Open(const std::string& path) {
 TokenFile::~TokenFile() { ::munmap(const_cast<uint8_t*>(data_), static_cast<size_t>(size_)); }
 
 int64_t TokenWindowIterator::Windows(int64_t tokens, int64_t sequence_length) {
-  if (sequence_length <= 0) throw InvalidArgumentError("token windows: sequence_length must be positive");
+  RequirePositiveLength(sequence_length);
   return (tokens - 1) / sequence_length;
 }
 
 TokenWindowIterator::TokenWindowIterator(std::shared_ptr<const TokenFile> tokens, TokenWindowOptions options)
     : tokens_(std::move(tokens)), options_(options) {
   const TokenWindowOptions& o = options_;
-  if (o.sequence_length <= 0) throw InvalidArgumentError("token windows: sequence_length must be positive");
+  RequirePositiveLength(o.sequence_length);  // checked first: the message names the field a config got wrong
   if (o.global_batch_size <= 0) throw InvalidArgumentError("token windows: global_batch_size must be positive");
   if (o.world_size <= 0 || o.rank < 0 || o.rank >= o.world_size) {
     throw InvalidArgumentError(absl::StrCat("token windows: rank ", o.rank, " outside a world of ", o.world_size));
