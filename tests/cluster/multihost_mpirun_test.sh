@@ -5,6 +5,10 @@
 #     1e-5; the ranks of a host share memory (Open MPI's vader segments of node0 and
 #     node1 in /dev/shm), and the gradients cross the link (node1's link carries at
 #     least one full gradient per step);
+#     1b. the same 4 ranks placed cyclically (0 and 2 on node0), with the
+#     hierarchical all-reduce: it finds the hosts by name (2 hosts x 2 ranks), the
+#     losses are those of 1 process, and the link carries 1 to 3 gradients per step
+#     (one each way; a flat all-reduce of cyclic ranks carries about 4);
 #  2. 4 ranks on 4 hosts (1 per host): the same losses;
 #  3. node1's link cut mid-run: every rank ends within heartbeat timeout + 5 s, those
 #     on node0 naming a rank on node1 and its host, those on node1 the lost service on
@@ -55,9 +59,9 @@ say "cluster: 4 hosts (node0..node3, 10.99.0.1-4) on bridge lk${tag}br"
 config=--config=$source_dir/configs/fashion_mnist_cnn.textproto
 steps=30
 flags="num_train_steps=$steps,summary_every_steps=10,eval_every_steps=30,progress=lines,data.global_batch_size=124"
-mpirun_on_node0() {  # mpirun_on_node0 HOSTS OUTDIR LOG [FLAGS]: 4 ranks from node0
+mpirun_on_node0() {  # mpirun_on_node0 HOSTS OUTDIR LOG [FLAGS]: 4 ranks from node0 (MAP_BY=node: cyclic)
   local hosts=$1 out=$2 log=$3 extra=${4:-}
-  cluster_exec node0 env MPIRUN_EXTRA_ARGS="--mca plm_rsh_agent $work/cluster/agent --output-filename $out/ranks" \
+  cluster_exec node0 env MPIRUN_EXTRA_ARGS="--mca plm_rsh_agent $work/cluster/agent --output-filename $out/ranks${MAP_BY:+ --map-by $MAP_BY --display-map}" \
     LOCKSTEP_COORDINATOR_PORT=29400 "$source_dir/launch/mpirun.sh" -n 4 --hosts "$hosts" -- \
     "$train" "$config" --set="$flags,output_dir=$out$extra" > "$log" 2>&1
 }
@@ -91,6 +95,28 @@ floor=$(( steps * 421642 * 4 ))
 (( bytes >= floor )) || fail "node1's link carried $bytes bytes, less than one gradient per step ($floor)"
 say "2 hosts x 2 ranks (TLS): $result; ${two_seconds} s; node1's link carried $((bytes / 1000000)) MB" \
     "($(echo "scale=2; $bytes / $floor" | bc) gradients per step)"
+
+# 1b. 2 hosts x 2 ranks placed cyclically (ranks 0 and 2 on node0), hierarchical
+# all-reduce: the hosts are found by host name, not by rank order, the losses are
+# those of 1 process, and the link carries one gradient's worth each way a step (a
+# flat all-reduce of these ranks pairs node0's with node1's in its first, half-sized
+# step and carries about twice that).
+before=$(( $(cat "$link/rx_bytes") + $(cat "$link/tx_bytes") ))
+MAP_BY=node mpirun_on_node0 node0:2,node1:2 "$work/cyclic" "$work/cyclic.log" ",communication.hierarchical=true" ||
+  { cat "$work/cyclic.log"; fail "2 hosts x 2 ranks, cyclic, hierarchical"; }
+bytes=$(( $(cat "$link/rx_bytes") + $(cat "$link/tx_bytes") - before ))
+grep -q "^Communication: gradient buckets: float32 all-reduce; hierarchical all-reduce: 2 hosts x 2 ranks" \
+  "$work/cyclic.log" || { grep "^Communication" "$work/cyclic.log"; fail "cyclic: the hierarchy is not 2 hosts x 2 ranks"; }
+# mpirun's job map (--display-map, printed more than once): the ranks it put on node0.
+on_node0=$(awk '/Data for node:/ { node = $4 } /^ *=+ *$/ && node != "" { exit }
+  /Process rank:/ && node == "node0" { for (i = 1; i < NF; i++) if ($i == "rank:") printf "%s ", $(i + 1) }' "$work/cyclic.log")
+[[ $on_node0 == "0 2 " ]] || fail "cyclic: mpirun put ranks '${on_node0}' on node0, not 0 and 2"
+result_cyclic=$(compare_losses "$work/one.log" "$work/cyclic.log" 3 1e-5) ||
+  { cat "$work/cyclic.log"; fail "2 hosts x 2 ranks, cyclic, hierarchical, against 1 process: $result_cyclic"; }
+per_step=$(echo "scale=2; $bytes / $floor" | bc)
+(( bytes >= floor && bytes < 3 * floor )) ||
+  fail "cyclic, hierarchical: node1's link carried $per_step gradients per step, not 1 to 3 (2: one each way)"
+say "2 hosts x 2 ranks, cyclic, hierarchical: $result_cyclic; node1's link carried $((bytes / 1000000)) MB ($per_step gradients per step)"
 
 # 2. 4 hosts x 1 rank.
 start=$(now)
@@ -170,4 +196,4 @@ cluster_heal node1
 fault_leg lose
 say "host lost: the ranks on node0 ended ${ranks_end} s after node1 went (heartbeat timeout $hb s), every" \
     "process ${all_end} s after; mpirun exit $code; $(grep -ohE 'rank [23] \(host node1[^)]*\) is dead' "$work/lose/ranks/1/rank.0/stderr" | head -1)"
-echo "OK: several hosts: 2x2 (TLS) and 4x1 match 1 process; a cut link ends every rank in ${cut_end} s, a lost host in ${ranks_end} s"
+echo "OK: several hosts: 2x2 (TLS), 2x2 cyclic (hierarchical) and 4x1 match 1 process; a cut link ends every rank in ${cut_end} s, a lost host in ${ranks_end} s"
