@@ -44,9 +44,6 @@ trap 'cluster_down; rm -rf "$work"' EXIT
 trap 'exit 130' INT
 trap 'exit 143' TERM
 cluster_up 2 "$work/cluster"
-tag=$(cat "$work/cluster/tag")
-link=/sys/class/net/lk${tag}v1/statistics
-link_bytes() { echo $(( $(cat "$link/rx_bytes") + $(cat "$link/tx_bytes") )); }
 
 common=(--model="$model" --batch_per_rank="$batch" --steps="$steps" --rounds=2 --warmup_steps=3 --breakdown_steps=2 --threads=1)
 # mpirun_hosts HOSTS NP PROGRAM ARGS...: from node0, over eth0 only. Ranks fill
@@ -65,7 +62,7 @@ mpirun_hosts() {
 record() {
   local rate=$1 layout=$2 name=$3 before=$4 file=$5
   local after
-  after=$(link_bytes)
+  after=$(cluster_link_bytes node1)
   "$python" - "$rate" "$layout" "$name" "$((after - before))" "$file" "$steps" >> "$results" <<'EOF'
 import json, sys
 rate, layout, name, link_bytes, path, steps = sys.argv[1:7]
@@ -83,7 +80,7 @@ lockstep_train() {  # RATE LAYOUT HOSTS NP NAME FLAGS...
   local rate=$1 layout=$2 hosts=$3 np=$4 name=$5
   shift 5
   local before file=$work/$name-$layout-$rate.json
-  before=$(link_bytes)
+  before=$(cluster_link_bytes node1)
   mpirun_hosts "$hosts" "$np" "$build/benchmarks/scaleout_benchmark" "${common[@]}" "$@" > "$file" 2> "$file.err" ||
     { cat "$file.err" >&2; echo "slow_network: $name failed" >&2; exit 1; }
   record "$rate" "$layout" "$name" "$before" "$file"
@@ -95,7 +92,7 @@ ddp_train() {  # RATE LAYOUT PER_HOST NAME FLAGS...: PyTorch DDP, ranks started 
   shift 4
   ddp_port=$((ddp_port + 1))  # a fresh rendezvous port per run
   local before file=$work/$name-$layout-$rate.json pids=() world=$((2 * per_host)) r h
-  before=$(link_bytes)
+  before=$(cluster_link_bytes node1)
   for h in 0 1; do
     for ((l = 0; l < per_host; l++)); do
       r=$((h * per_host + l))
@@ -130,7 +127,7 @@ for rate in $rates; do
   echo "== $rate =="
   if has_layout 2x1; then
     # Bus bandwidth between the hosts, 2 x 1.
-    before=$(link_bytes)
+    before=$(cluster_link_bytes node1)
     mpirun_hosts node0:1,node1:1 2 "$build/benchmarks/scaleout_benchmark" --mode=collectives --sizes=16777216 \
       > "$work/coll-$rate.json" 2> "$work/coll-$rate.err" || { cat "$work/coll-$rate.err" >&2; exit 1; }
     record "$rate" 2x1 collectives "$before" "$work/coll-$rate.json"

@@ -12,6 +12,7 @@
 #   tests/cluster/cluster.sh limit DIR HOST RATE rate-limit HOST's link both ways (tc tbf; RATE as
 #                                                tc writes it: 1gbit, 100mbit)
 #   tests/cluster/cluster.sh kill-host DIR HOST  SIGKILL every process on HOST (a lost host)
+#   tests/cluster/cluster.sh link-bytes DIR HOST the bytes HOST's link has carried, both ways
 #   tests/cluster/cluster.sh down DIR            end every process on the hosts, remove all it built
 #
 # A test sources this file and calls cluster_up / cluster_exec / ... / cluster_down
@@ -162,6 +163,15 @@ cluster_limit() {
   tc qdisc replace dev "lk${tag}v$i" root tbf rate "$rate" burst 1mb latency 100ms
 }
 
+# cluster_link_bytes HOST: the bytes HOST's link has carried, both directions (the
+# kernel's counters on the bridge's end of it).
+cluster_link_bytes() {
+  local stats
+  stats=/sys/class/net/lk$(cat "$cluster_dir/tag")v${1#node}/statistics
+  [[ -d $stats ]] || { _cluster_fail "no link of host '$1'"; return 1; }
+  echo $(( $(cat "$stats/rx_bytes") + $(cat "$stats/tx_bytes") ))
+}
+
 # cluster_pids HOST: every process in HOST's network namespace.
 cluster_pids() {
   local ns
@@ -212,7 +222,7 @@ if [[ ${BASH_SOURCE[0]} == "$0" ]]; then
         cluster_up "$1" "$2" || { cluster_down; exit 1; } ;;
     exec) [[ $# -ge 3 ]] || { echo "usage: cluster.sh exec DIR HOST CMD..." >&2; exit 2; }
           _cluster_use "$1" || exit 2; shift; cluster_exec "$@"; exit $? ;;
-    cut|heal|kill-host|pids)
+    cut|heal|kill-host|pids|link-bytes)
           [[ $# -eq 2 ]] || { echo "usage: cluster.sh $command DIR HOST" >&2; exit 2; }
           _cluster_use "$1" || exit 2
           "cluster_${command//-/_}" "$2" ;;
@@ -220,7 +230,7 @@ if [[ ${BASH_SOURCE[0]} == "$0" ]]; then
            _cluster_use "$1" || exit 2; cluster_limit "$2" "$3" ;;
     down) [[ $# -eq 1 ]] || { echo "usage: cluster.sh down DIR" >&2; exit 2; }
           _cluster_use "$1" || exit 0; cluster_down ;;
-    -h|--help) sed -n '2,31p' "$0" | sed 's/^# \{0,1\}//' ;;
+    -h|--help) sed -n '2,32p' "$0" | sed 's/^# \{0,1\}//' ;;
     *) echo "cluster.sh: unknown command '$command' (see --help)" >&2; exit 2 ;;
   esac
 fi

@@ -73,8 +73,7 @@ mpirun_on_node0() {  # mpirun_on_node0 HOSTS OUTDIR LOG [FLAGS]: 4 ranks from no
 openssl req -x509 -newkey rsa:2048 -nodes -days 1 -subj /CN=node0 -addext subjectAltName=DNS:node0 \
   -keyout "$work/key.pem" -out "$work/cert.pem" > /dev/null 2>&1 || fail "openssl could not make a certificate"
 tls=",coordination.tls_cert_file=$work/cert.pem,coordination.tls_key_file=$work/key.pem"
-link=/sys/class/net/lk${tag}v1/statistics
-before=$(( $(cat "$link/rx_bytes") + $(cat "$link/tx_bytes") ))
+before=$(cluster_link_bytes node1)
 : > "$work/shm.txt"
 ( for _ in $(seq 1 300); do ls /dev/shm >> "$work/shm.txt" 2>/dev/null; sleep 0.1; done ) &
 watcher=$!
@@ -82,7 +81,7 @@ start=$(now)
 mpirun_on_node0 node0:2,node1:2 "$work/two" "$work/two.log" "$tls" || { cat "$work/two.log"; fail "2 hosts x 2 ranks"; }
 two_seconds=$(seconds "$start" "$(now)")
 kill "$watcher" 2>/dev/null; wait "$watcher" 2>/dev/null || true
-bytes=$(( $(cat "$link/rx_bytes") + $(cat "$link/tx_bytes") - before ))
+bytes=$(( $(cluster_link_bytes node1) - before ))
 grep -q "^Coordination: job '.*' at node0:29400 (hosted by rank 0, TLS)" "$work/two.log" ||
   { head -5 "$work/two.log"; fail "the service was not at node0:29400 with TLS"; }
 grep -q "^lockstep_train: 4 rank(s) via mpirun, mpi backend" "$work/two.log" || fail "2 hosts: not 4 MPI ranks"
@@ -101,10 +100,10 @@ say "2 hosts x 2 ranks (TLS): $result; ${two_seconds} s; node1's link carried $(
 # those of 1 process, and the link carries one gradient's worth each way a step (a
 # flat all-reduce of these ranks pairs node0's with node1's in its first, half-sized
 # step and carries about twice that).
-before=$(( $(cat "$link/rx_bytes") + $(cat "$link/tx_bytes") ))
+before=$(cluster_link_bytes node1)
 MAP_BY=node mpirun_on_node0 node0:2,node1:2 "$work/cyclic" "$work/cyclic.log" ",communication.hierarchical=true" ||
   { cat "$work/cyclic.log"; fail "2 hosts x 2 ranks, cyclic, hierarchical"; }
-bytes=$(( $(cat "$link/rx_bytes") + $(cat "$link/tx_bytes") - before ))
+bytes=$(( $(cluster_link_bytes node1) - before ))
 grep -q "^Communication: gradient buckets: float32 all-reduce; hierarchical all-reduce: 2 hosts x 2 ranks" \
   "$work/cyclic.log" || { grep "^Communication" "$work/cyclic.log"; fail "cyclic: the hierarchy is not 2 hosts x 2 ranks"; }
 # mpirun's job map (--display-map, printed more than once): the ranks it put on node0.
