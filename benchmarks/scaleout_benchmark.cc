@@ -103,6 +103,8 @@ ABSL_FLAG(int, powersgd_rank, 4, "PowerSGD's rank");
 ABSL_FLAG(int64_t, powersgd_start_step, 2, "PowerSGD: plain all-reduce steps before it starts");
 ABSL_FLAG(bool, hierarchical, false, "hierarchical all-reduce (several hosts with several ranks each)");
 ABSL_FLAG(int, ranks_per_host, 0, "for the hierarchy: consecutive ranks per host; 0: by host name");
+ABSL_FLAG(bool, order_by_host, true,
+          "flat all-reduce over the ranks sorted by host when the launcher interleaved the hosts");
 ABSL_FLAG(std::string, sizes, "8,4096,65536,262144,1048576,4194304,16777216,67108864",
           "collectives: message sizes in bytes, comma-separated");
 
@@ -360,6 +362,7 @@ int RunTrain(Communicator& comm, const Runtime& runtime) {
   options.data_parallel.comm_hook = MakeCommHook(absl::GetFlag(FLAGS_comm_hook), powersgd);
   options.data_parallel.hierarchical = absl::GetFlag(FLAGS_hierarchical);
   options.data_parallel.ranks_per_host = absl::GetFlag(FLAGS_ranks_per_host);
+  options.data_parallel.order_by_host = absl::GetFlag(FLAGS_order_by_host);
   options.partitioning = *partitioning;
   options.mesh = mesh.get();
   options.parameter_layouts = layouts;
@@ -615,8 +618,10 @@ int Main() {
   mpi.chunk_bytes = static_cast<size_t>(absl::GetFlag(FLAGS_chunk_kib)) << 10;
   mpi.chunks_in_flight = absl::GetFlag(FLAGS_chunks_in_flight);
   mpi.shared_memory_buffers = absl::GetFlag(FLAGS_shared_memory_buffers);
-  // The mesh's axes, and the hierarchy's groups, run side by side.
-  mpi.thread_multiple = absl::GetFlag(FLAGS_mesh_model) > 1 || absl::GetFlag(FLAGS_hierarchical);
+  // The mesh's axes, the hierarchy's groups and the host-ordered flat group (on
+  // several hosts) run side by side.
+  mpi.thread_multiple = absl::GetFlag(FLAGS_mesh_model) > 1 || absl::GetFlag(FLAGS_hierarchical) ||
+                        (absl::GetFlag(FLAGS_order_by_host) && runtime.several_hosts);
   std::unique_ptr<Communicator> comm = MakeMpiCommunicator(mpi);
   const std::string mode = absl::GetFlag(FLAGS_mode);
   if (mode == "train") return RunTrain(*comm, runtime);

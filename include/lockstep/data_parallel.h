@@ -32,6 +32,15 @@
 // first phase runs when the bucket is launched, the second overlaps backward,
 // the third runs in Finish. A hook then runs on the slices, between hosts.
 //
+// Flat (no hierarchy), the buckets travel on the communicator's ranks in host
+// order (`order_by_host`): when the launcher interleaved the hosts (mpirun
+// --map-by node, Slurm's --distribution=cyclic: ranks 0 and 2 on one host), a
+// group of the same ranks sorted by host carries them, so that the all-reduce's
+// exchanges between neighbours stay within a host, as with the ranks in blocks.
+// On 2 hosts x 2 ranks Open MPI's all-reduce in rank order put twice the bytes on
+// the link between them. The sums are the same up to float rounding (another
+// order of addition).
+//
 // Not thread-safe: one training thread (autograd runs CPU hooks on it).
 #ifndef LOCKSTEP_DATA_PARALLEL_H_
 #define LOCKSTEP_DATA_PARALLEL_H_
@@ -73,6 +82,12 @@ struct DataParallelOptions {
   // For the hierarchy: consecutive ranks, this many per host. 0: the ranks that
   // report the same host name (gethostname) share a host.
   int ranks_per_host = 0;
+  // Flat: when the ranks of a host are not consecutive, all-reduce over a group
+  // of them in host order (Communicator::Split, at construction). That needs a
+  // backend that splits (MPI: MPI_THREAD_MULTIPLE); without one the ranks stay
+  // in launch order and description() says why. One all-gather of host-name
+  // hashes at construction either way; off: none.
+  bool order_by_host = true;
   // Bucket-size tuning, as Horovod's autotune does it: when not empty, after the
   // first synchronised step each of these sizes is tried for `autotune_steps`
   // steps (plus one to settle), the median step time (Finish to Finish, the
@@ -86,7 +101,7 @@ struct DataParallelOptions {
 class GradientBucketer {
  public:
   // `communicator` is borrowed and must outlive the bucketer. Not owned. A
-  // collective (buffers, the hierarchy's groups). Errors: InvalidArgumentError
+  // collective (buffers, the hierarchy's groups, the host order). Errors: InvalidArgumentError
   // for a hierarchy that cannot be built (ranks_per_host not dividing the world,
   // a hook that needs parameter shapes), those of the collectives.
   GradientBucketer(Communicator* communicator, std::vector<at::Tensor> parameters, const DataParallelOptions& options);

@@ -25,6 +25,11 @@ struct Runtime {
   int local_rank = 0;
   std::string host;
   std::string launcher = "none";  // "none", "mpirun", "slurm" or "torchrun"
+  // The launcher says the ranks are on more than one host: OMPI_COMM_WORLD_LOCAL_SIZE
+  // below OMPI_COMM_WORLD_SIZE, SLURM_STEP_NUM_NODES above 1, LOCAL_WORLD_SIZE below
+  // WORLD_SIZE. False when it does not say (or says something unreadable: this is
+  // advice, for choosing MPI's thread level before MPI can be asked).
+  bool several_hosts = false;
 
   bool is_chief() const { return rank == 0; }
 

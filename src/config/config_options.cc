@@ -22,9 +22,10 @@ JobEnvironmentOptions ToJobEnvironmentOptions(const config::TrainerConfig& cfg) 
   o.device = cfg.device();
   o.backend = cfg.backend();
   o.collective_timeout = absl::Seconds(cfg.collective_timeout_seconds());
-  // Split groups smaller than the world run side by side (DeviceMesh).
-  // A mesh and the hierarchy run split communicators side by side.
+  // A mesh, the hierarchy and the flat all-reduce in host order run split
+  // communicators side by side (the last only on several hosts: see job.cc).
   o.mpi_thread_multiple = cfg.partitioning().mesh().model() > 1 || cfg.communication().hierarchical();
+  o.mpi_thread_multiple_on_several_hosts = cfg.communication().order_by_host() && !cfg.fault_tolerance().enabled();
   const config::CoordinationConfig& c = cfg.coordination();
   o.coordination.mode = c.mode();
   o.coordination.address = c.address();
@@ -88,6 +89,8 @@ TrainerOptions ToTrainerOptions(const config::TrainerConfig& cfg) {
   o.data_parallel.comm_hook = MakeCommHook(comm.hook(), powersgd);
   o.data_parallel.hierarchical = comm.hierarchical();
   o.data_parallel.ranks_per_host = comm.ranks_per_host();
+  // The reordered group would not follow a world that fault tolerance shrinks.
+  o.data_parallel.order_by_host = comm.order_by_host() && !cfg.fault_tolerance().enabled();
   if (comm.autotune_buckets()) {
     std::vector<double> sizes(comm.autotune_bucket_mb().begin(), comm.autotune_bucket_mb().end());
     if (sizes.empty()) sizes = {1, 4, 16, 64};

@@ -314,7 +314,10 @@ std::unique_ptr<JobEnvironment> JobEnvironment::Create(const JobEnvironmentOptio
   }
   // MPI only when it is the backend: initialising it under another launcher
   // would make a world of one of each rank.
-  std::unique_ptr<Communicator> mpi = chosen == "mpi" ? MaybeMakeMpi(runtime, options.mpi_thread_multiple) : nullptr;
+  std::unique_ptr<Communicator> mpi = chosen == "mpi"
+      ? MaybeMakeMpi(runtime, options.mpi_thread_multiple ||
+                                  (options.mpi_thread_multiple_on_several_hosts && runtime.several_hosts))
+      : nullptr;
   env->StartCoordination(mpi.get());
   env->preemption_->AttachClient(env->client_.get());
 

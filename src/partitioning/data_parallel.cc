@@ -45,6 +45,14 @@ struct GradientBucketer::State {
   // ranks of this local index on every host.
   std::unique_ptr<Communicator> local;
   std::unique_ptr<Communicator> cross;
+  // Flat, when the launcher interleaved the hosts (ranks 0 and 2 on one host):
+  // the same ranks in host order, so that the all-reduce's exchanges between
+  // neighbours stay within a host as they do with the ranks in blocks. Null: the
+  // ranks already are in host order (or order_by_host is off, or the backend
+  // could not reorder them; description() says which).
+  std::unique_ptr<Communicator> ordered;
+  // What the flat buckets travel on: `ordered`, or the communicator itself.
+  Communicator* flat_group() const { return ordered != nullptr ? ordered.get() : communicator; }
   // Hierarchy: the buckets whose reduce-scatter in the host is queued and whose
   // slices have not yet been sent between hosts, in launch order.
   std::deque<size_t> scattering;
@@ -129,7 +137,7 @@ struct GradientBucketer::State {
         bucket.slice = at::zeros({slice}, options);
       } else {
         // Where the communicator reduces fastest (shared memory for MPI on one host).
-        bucket.flat = communicator->AllocateCollectiveBuffer(numel, options, collective).zero_();
+        bucket.flat = flat_group()->AllocateCollectiveBuffer(numel, options, collective).zero_();
       }
       int64_t offset = 0;
       for (size_t p : bucket.params) {
@@ -220,8 +228,9 @@ struct GradientBucketer::State {
       unit.step = steps;
       unit.buffer = bucket.flat;
       for (size_t p : bucket.params) unit.gradients.push_back(views[p]);
-      bucket.work = hook != nullptr ? hook->Run(*communicator, unit, collective)
-                                    : communicator->AllReduceAsync(bucket.flat, ReduceOp::kSum, collective);
+      Communicator* group = flat_group();
+      bucket.work = hook != nullptr ? hook->Run(*group, unit, collective)
+                                    : group->AllReduceAsync(bucket.flat, ReduceOp::kSum, collective);
       return;
     }
     // Hierarchy: the host's sum of this rank's slice (shared memory) on the host
@@ -259,11 +268,10 @@ struct GradientBucketer::State {
     }
   }
 
-  // Builds the hierarchy's groups when the ranks are on several hosts with
-  // several ranks on each (the same number); otherwise says why not.
-  void SetUpHierarchy(int ranks_per_host) {
+  // Each rank's host, numbered in order of the host's first rank: consecutive
+  // ranks `ranks_per_host` to a host, or (0) by host name, a collective.
+  std::vector<int> HostOf(int ranks_per_host) const {
     const int world = communicator->world_size();
-    const int rank = communicator->rank();
     std::vector<int> host_of(world);
     if (ranks_per_host > 0) {
       if (world % ranks_per_host != 0) {
@@ -271,18 +279,51 @@ struct GradientBucketer::State {
                                                 " does not divide the world of ", world, " ranks"));
       }
       for (int r = 0; r < world; ++r) host_of[r] = r / ranks_per_host;
-    } else {
-      // Every rank's host name, as a hash, from every rank.
-      const at::TensorOptions options = SmallOptions(at::kLong);
-      at::Tensor all = at::empty({world}, options);
-      communicator->AllGather(all, at::full({1}, static_cast<int64_t>(StableHash(HostName())), options), collective);
-      const at::Tensor hashes = all.cpu();
-      std::map<int64_t, int> hosts;  // hash -> host index, in order of first rank
-      for (int r = 0; r < world; ++r) {
-        const int64_t h = hashes.data_ptr<int64_t>()[r];
-        host_of[r] = hosts.emplace(h, static_cast<int>(hosts.size())).first->second;
-      }
+      return host_of;
     }
+    // Every rank's host name, as a hash, from every rank.
+    const at::TensorOptions options = SmallOptions(at::kLong);
+    at::Tensor all = at::empty({world}, options);
+    communicator->AllGather(all, at::full({1}, static_cast<int64_t>(StableHash(HostName())), options), collective);
+    const at::Tensor hashes = all.cpu();
+    std::map<int64_t, int> hosts;  // hash -> host index, in order of first rank
+    for (int r = 0; r < world; ++r) {
+      const int64_t h = hashes.data_ptr<int64_t>()[r];
+      host_of[r] = hosts.emplace(h, static_cast<int>(hosts.size())).first->second;
+    }
+    return host_of;
+  }
+
+  // Flat, when some host's ranks are not consecutive: `ordered` holds the same
+  // ranks sorted by host (then by rank), a collective. When the backend cannot
+  // split (MPI without MPI_THREAD_MULTIPLE), the ranks stay as they are and the
+  // description says so. Every rank decides alike: host_of is the same everywhere.
+  void OrderByHost(const std::vector<int>& host_of) {
+    const int world = static_cast<int>(host_of.size());
+    bool in_order = true;
+    for (int r = 1; r < world; ++r) in_order = in_order && host_of[r] >= host_of[r - 1];
+    if (in_order) return;
+    std::string hosts;
+    for (int r = 0; r < world && r < 16; ++r) absl::StrAppend(&hosts, r > 0 ? " " : "", host_of[r]);
+    if (world > 16) absl::StrAppend(&hosts, " ...");
+    const int rank = communicator->rank();
+    std::string order;
+    try {
+      ordered = communicator->Split(0, host_of[rank] * world + rank, collective);
+      order = absl::StrCat("ranks in host order (the launcher interleaved the hosts: rank -> host ", hosts, ")");
+    } catch (const InvalidArgumentError& e) {
+      order = absl::StrCat("ranks in launch order, which interleaves the hosts (rank -> host ", hosts,
+                           ") and crosses between them more than ranks in blocks would; not reordered: ", e.what());
+    }
+    // After the hierarchy's reason for being off, if any (it ends "flat all-reduce").
+    description = absl::StrCat(description.empty() ? "flat all-reduce" : description, ", ", order);
+  }
+
+  // Builds the hierarchy's groups when the ranks are on several hosts with
+  // several ranks on each (the same number); otherwise says why not.
+  void SetUpHierarchy(const std::vector<int>& host_of) {
+    const int world = communicator->world_size();
+    const int rank = communicator->rank();
     std::vector<int> sizes;
     std::vector<int> local_index(world);
     for (int r = 0; r < world; ++r) {
@@ -334,7 +375,13 @@ GradientBucketer::GradientBucketer(Communicator* communicator, std::vector<at::T
   s.candidates = options.autotune_bucket_bytes;
   s.autotune_steps = options.autotune_steps;
   s.tuning = !s.candidates.empty();
-  if (options.hierarchical && communicator->world_size() > 1) s.SetUpHierarchy(options.ranks_per_host);
+  if (communicator->world_size() > 1 && (options.hierarchical || options.order_by_host)) {
+    const int ranks_per_host = options.hierarchical ? options.ranks_per_host : 0;
+    const std::vector<int> host_of = s.HostOf(ranks_per_host);
+    if (options.hierarchical) s.SetUpHierarchy(host_of);
+    // With ranks_per_host the hosts are consecutive ranks: nothing to reorder.
+    if (s.local == nullptr && options.order_by_host && ranks_per_host == 0) s.OrderByHost(host_of);
+  }
   s.description = absl::StrCat("gradient buckets: ", s.hook != nullptr ? s.hook->name() : "float32",
                                s.hook != nullptr ? " hook; " : " all-reduce; ",
                                s.description.empty() ? "flat" : s.description);

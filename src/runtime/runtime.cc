@@ -76,6 +76,22 @@ Runtime Runtime::FromVariables(const Lookup& lookup) {
                                               " says rank ", other.rank, " of ", other.world_size));
     }
   }
+  if (!found.empty()) {
+    // Optional, and only advice: an unreadable value says nothing.
+    const auto number = [&](const char* name) {
+      int value = 0;
+      return lookup(name) && absl::SimpleAtoi(*lookup(name), &value) && value > 0 ? value : 0;
+    };
+    if (runtime.launcher == "mpirun") {
+      const int local = number("OMPI_COMM_WORLD_LOCAL_SIZE");
+      runtime.several_hosts = local > 0 && local < runtime.world_size;
+    } else if (runtime.launcher == "slurm") {
+      runtime.several_hosts = number("SLURM_STEP_NUM_NODES") > 1;
+    } else {
+      const int local = number("LOCAL_WORLD_SIZE");
+      runtime.several_hosts = local > 0 && local < runtime.world_size;
+    }
+  }
   runtime.host = HostName();
   return runtime;
 }

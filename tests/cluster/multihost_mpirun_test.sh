@@ -8,7 +8,12 @@
 #     1b. the same 4 ranks placed cyclically (0 and 2 on node0), with the
 #     hierarchical all-reduce: it finds the hosts by name (2 hosts x 2 ranks), the
 #     losses are those of 1 process, and the link carries 1 to 3 gradients per step
-#     (one each way; a flat all-reduce of cyclic ranks carries about 4);
+#     (one each way);
+#     1c. the same placement, flat: the ranks are all-reduced in host order (the
+#     log says so), the losses are those of 1 process, and the link carries 1 to 3
+#     gradients per step; 1d. with communication.order_by_host=false, more than 3
+#     (Open MPI's all-reduce in rank order pairs node0's ranks with node1's in its
+#     first, half-sized step: about 4);
 #  2. 4 ranks on 4 hosts (1 per host): the same losses;
 #  3. node1's link cut mid-run: every rank ends within heartbeat timeout + 5 s, those
 #     on node0 naming a rank on node1 and its host, those on node1 the lost service on
@@ -116,6 +121,30 @@ per_step=$(echo "scale=2; $bytes / $floor" | bc)
 (( bytes >= floor && bytes < 3 * floor )) ||
   fail "cyclic, hierarchical: node1's link carried $per_step gradients per step, not 1 to 3 (2: one each way)"
 say "2 hosts x 2 ranks, cyclic, hierarchical: $result_cyclic; node1's link carried $((bytes / 1000000)) MB ($per_step gradients per step)"
+
+# 1c and 1d. The same placement, flat: in host order (the default), then in rank order.
+before=$(cluster_link_bytes node1)
+MAP_BY=node mpirun_on_node0 node0:2,node1:2 "$work/cyclic_flat" "$work/cyclic_flat.log" ||
+  { cat "$work/cyclic_flat.log"; fail "2 hosts x 2 ranks, cyclic, flat"; }
+bytes=$(( $(cluster_link_bytes node1) - before ))
+grep -q "^Communication: gradient buckets: float32 all-reduce; flat all-reduce, ranks in host order (the launcher interleaved the hosts: rank -> host 0 1 0 1)" \
+  "$work/cyclic_flat.log" || { grep "^Communication" "$work/cyclic_flat.log"; fail "cyclic, flat: not in host order"; }
+result_flat=$(compare_losses "$work/one.log" "$work/cyclic_flat.log" 3 1e-5) ||
+  { cat "$work/cyclic_flat.log"; fail "2 hosts x 2 ranks, cyclic, flat, against 1 process: $result_flat"; }
+per_step=$(echo "scale=2; $bytes / $floor" | bc)
+(( bytes >= floor && bytes < 3 * floor )) ||
+  fail "cyclic, flat in host order: node1's link carried $per_step gradients per step, not 1 to 3 (2: one each way)"
+say "2 hosts x 2 ranks, cyclic, flat in host order: $result_flat; node1's link carried $((bytes / 1000000)) MB ($per_step gradients per step)"
+before=$(cluster_link_bytes node1)
+MAP_BY=node mpirun_on_node0 node0:2,node1:2 "$work/cyclic_rank_order" "$work/cyclic_rank_order.log" \
+  ",communication.order_by_host=false" || { cat "$work/cyclic_rank_order.log"; fail "2 hosts x 2 ranks, cyclic, rank order"; }
+bytes=$(( $(cluster_link_bytes node1) - before ))
+grep -q "^Communication: gradient buckets: float32 all-reduce; flat$" "$work/cyclic_rank_order.log" ||
+  { grep "^Communication" "$work/cyclic_rank_order.log"; fail "cyclic, order_by_host=false: not the plain flat all-reduce"; }
+per_step=$(echo "scale=2; $bytes / $floor" | bc)
+(( bytes >= 3 * floor )) ||
+  fail "cyclic, flat in rank order: node1's link carried $per_step gradients per step, not more than 3 (about 4)"
+say "2 hosts x 2 ranks, cyclic, flat in rank order: node1's link carried $((bytes / 1000000)) MB ($per_step gradients per step)"
 
 # 2. 4 hosts x 1 rank.
 start=$(now)

@@ -55,6 +55,27 @@ TEST(RuntimeTest, ReadsEachLauncher) {
   EXPECT_EQ(r.world_size, 2);
 }
 
+TEST(RuntimeTest, SeveralHostsWhenTheLauncherSaysSo) {
+  const Vars mpirun = {{"OMPI_COMM_WORLD_RANK", "2"}, {"OMPI_COMM_WORLD_SIZE", "4"}, {"OMPI_COMM_WORLD_LOCAL_RANK", "0"}};
+  EXPECT_FALSE(From(mpirun).several_hosts);  // not said
+  Vars vars = mpirun;
+  vars["OMPI_COMM_WORLD_LOCAL_SIZE"] = "2";
+  EXPECT_TRUE(From(vars).several_hosts);
+  vars["OMPI_COMM_WORLD_LOCAL_SIZE"] = "4";
+  EXPECT_FALSE(From(vars).several_hosts);
+  vars["OMPI_COMM_WORLD_LOCAL_SIZE"] = "two";  // unreadable: says nothing
+  EXPECT_FALSE(From(vars).several_hosts);
+  const Vars slurm = {{"SLURM_PROCID", "5"}, {"SLURM_NTASKS", "8"}, {"SLURM_LOCALID", "1"}, {"SLURM_STEP_ID", "0"}};
+  vars = slurm;
+  vars["SLURM_STEP_NUM_NODES"] = "2";
+  EXPECT_TRUE(From(vars).several_hosts);
+  vars["SLURM_STEP_NUM_NODES"] = "1";
+  EXPECT_FALSE(From(vars).several_hosts);
+  vars = {{"RANK", "1"}, {"WORLD_SIZE", "4"}, {"LOCAL_RANK", "1"}, {"LOCAL_WORLD_SIZE", "2"}};
+  EXPECT_TRUE(From(vars).several_hosts);
+  EXPECT_FALSE(From({}).several_hosts);
+}
+
 TEST(RuntimeTest, IgnoresTheBatchScriptsOwnSlurmVariables) {
   // mpirun started inside an sbatch script: SLURM_PROCID=0 describes the script.
   const Runtime r = From({{"SLURM_PROCID", "0"}, {"SLURM_NTASKS", "4"}, {"SLURM_LOCALID", "0"},
