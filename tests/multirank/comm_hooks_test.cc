@@ -1,12 +1,19 @@
 // Gradient communication hooks and the hierarchical all-reduce under mpirun -np 2
 // and 4: what each hook leaves in a bucket against the sums computed here, the
-// replicas staying identical when they train with a hook, and the hierarchy
-// (ranks_per_host 2 at 4 ranks) training as the flat all-reduce does.
+// replicas staying identical when they train with a hook, the hierarchy
+// (ranks_per_host 2 at 4 ranks) training as the flat all-reduce does, and (as
+// root, at 4 ranks) two hosts faked by host name and interleaved: the flat buckets
+// in host order, the hierarchy finding the hosts.
 #include <ATen/ATen.h>
 #include <ATen/CPUGeneratorImpl.h>
 #include <gmock/gmock.h>
 #include <gtest/gtest.h>
 
+#include <sched.h>
+#include <unistd.h>
+
+#include <cerrno>
+#include <cstring>
 #include <functional>
 #include <memory>
 #include <string>
@@ -16,6 +23,7 @@
 #include "lockstep/comm_hooks.h"
 #include "lockstep/data_parallel.h"
 #include "lockstep/errors.h"
+#include "lockstep/host.h"
 #include "lockstep/mpi_communicator.h"
 #include "lockstep/trainer.h"
 #include "tests/testing/mpi_ranks.h"
@@ -252,6 +260,65 @@ TEST_F(CommHooksTest, HierarchicalAllReduceTrainsAsTheFlatOne) {
   hierarchical.ranks_per_host = 0;
   EXPECT_THAT(Train(comm_.get(), rank_, size_, hierarchical, 1).description,
               HasSubstr("hierarchical all-reduce off: every rank is on one host"));
+}
+
+// This thread's host name in a UTS namespace of its own, back as it was at the end
+// (the namespace stays: a thread cannot leave it). ok() is false when either
+// step failed (not root), and why() says why.
+class FakeHostName {
+ public:
+  explicit FakeHostName(const std::string& name) : original_(HostName()) {
+    if (unshare(CLONE_NEWUTS) != 0) {
+      why_ = absl::StrCat("unshare(CLONE_NEWUTS): ", std::strerror(errno));
+    } else if (sethostname(name.data(), name.size()) != 0) {
+      why_ = absl::StrCat("sethostname: ", std::strerror(errno));
+    }
+  }
+  ~FakeHostName() {
+    if (why_.empty()) (void)sethostname(original_.data(), original_.size());
+  }
+  bool ok() const { return why_.empty(); }
+  const std::string& why() const { return why_; }
+
+ private:
+  std::string original_;
+  std::string why_;
+};
+
+TEST_F(CommHooksTest, FlatBucketsRunInHostOrderWhenTheHostsInterleave) {
+  if (size_ % 4 != 0) GTEST_SKIP() << "two hosts interleave from 4 ranks on; this run has " << size_;
+  // Ranks 0 and 2 on one host, 1 and 3 on the other, as mpirun --map-by node places them.
+  FakeHostName fake(absl::StrCat("lockstep-test-host-", rank_ % 2));
+  at::Tensor failed = at::full({1}, fake.ok() ? 0 : 1, at::kInt);
+  comm_->AllReduce(failed, ReduceOp::kMax);  // all ranks skip alike, or none
+  if (failed.item<int>() != 0) GTEST_SKIP() << "cannot fake host names here (root only)" << (fake.ok() ? "" : ": ") << fake.why();
+  DataParallelOptions launch_order;
+  launch_order.bucket_bytes = 2048;
+  launch_order.order_by_host = false;
+  const Trained reference = Train(comm_.get(), rank_, size_, launch_order);
+  EXPECT_EQ(reference.description, "gradient buckets: float32 all-reduce; flat");
+  std::string hosts;
+  for (int r = 0; r < size_; ++r) absl::StrAppend(&hosts, r > 0 ? " " : "", r % 2);
+  DataParallelOptions host_order = launch_order;
+  host_order.order_by_host = true;
+  const Trained ours = Train(comm_.get(), rank_, size_, host_order);
+  EXPECT_EQ(ours.description, absl::StrCat("gradient buckets: float32 all-reduce; flat all-reduce, ranks in host order "
+                                           "(the launcher interleaved the hosts: rank -> host ", hosts, ")"));
+  ExpectReplicasIdentical(*comm_, ours.params);
+  EXPECT_LE(MaxRelativeDifference(ours.params, reference.params), 1e-5);  // another order of addition
+  // A hook runs on the reordered group too (the 16-bit all-to-all among 4 and more).
+  host_order.comm_hook = MakeCommHook("bf16");
+  const Trained compressed = Train(comm_.get(), rank_, size_, host_order);
+  EXPECT_THAT(compressed.description, HasSubstr("bf16 hook; flat all-reduce, ranks in host order"));
+  ExpectReplicasIdentical(*comm_, compressed.params);
+  EXPECT_LT(MaxRelativeDifference(compressed.params, reference.params), 0.05);
+  // The hierarchy finds the two hosts by name, whatever the ranks' order.
+  DataParallelOptions hierarchical = launch_order;
+  hierarchical.hierarchical = true;
+  const Trained layered = Train(comm_.get(), rank_, size_, hierarchical);
+  EXPECT_THAT(layered.description, HasSubstr(absl::StrCat("hierarchical all-reduce: 2 hosts x ", size_ / 2, " ranks")));
+  ExpectReplicasIdentical(*comm_, layered.params);
+  EXPECT_LE(MaxRelativeDifference(layered.params, reference.params), 1e-5);
 }
 
 TEST_F(CommHooksTest, BucketAutotuneTriesEachSizeAndKeepsTheFastestOnEveryRank) {
