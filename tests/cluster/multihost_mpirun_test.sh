@@ -100,15 +100,16 @@ floor=$(( steps * 421642 * 4 ))
 say "2 hosts x 2 ranks (TLS): $result; ${two_seconds} s; node1's link carried $((bytes / 1000000)) MB" \
     "($(echo "scale=2; $bytes / $floor" | bc) gradients per step)"
 
-# cyclic_run NAME LABEL FLAGS PATTERN LOW HIGH: 2 hosts x 2 ranks placed
-# cyclically (ranks 0 and 2 on node0) with FLAGS. Rank 0's "Communication:
+# cyclic_run NAME LABEL SET PATTERN LOW HIGH: 2 hosts x 2 ranks placed
+# cyclically (ranks 0 and 2 on node0), SET appended to the job's --set. Rank 0's "Communication:
 # gradient buckets: ..." line matches the glob PATTERN, the losses are those of 1
 # process, and node1's link carries at least LOW and (unless HIGH is empty) fewer
 # than HIGH gradients per step.
 cyclic_run() {
-  local name=$1 label=$2 flags=$3 pattern=$4 low=$5 high=$6 before bytes said result per_step
+  # (not "flags": mpirun_on_node0 reads the global one)
+  local name=$1 label=$2 set_extra=$3 pattern=$4 low=$5 high=$6 before bytes said result per_step
   before=$(cluster_link_bytes node1)
-  MAP_BY=node mpirun_on_node0 node0:2,node1:2 "$work/$name" "$work/$name.log" "$flags" ||
+  MAP_BY=node mpirun_on_node0 node0:2,node1:2 "$work/$name" "$work/$name.log" "$set_extra" ||
     { cat "$work/$name.log"; fail "2 hosts x 2 ranks, $label"; }
   bytes=$(( $(cluster_link_bytes node1) - before ))
   said=$(sed -n 's/^Communication: gradient buckets: //p' "$work/$name.log" | head -1)
