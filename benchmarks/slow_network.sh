@@ -143,8 +143,9 @@ for rate in $rates; do
   fi
   if has_layout 2x2; then
     # Flat and hierarchical: uncompressed with the ranks placed in blocks and
-    # cyclically (flat in host order, the default, and in rank order), then with the 16-bit hooks and PowerSGD (which needs whole
-    # buckets, so flat); DDP plain and with its hooks, ranks in blocks.
+    # cyclically (flat in host order, the default, and in launch order), then
+    # with the 16-bit hooks and PowerSGD (which needs whole buckets, so flat);
+    # DDP plain and with its hooks, ranks in blocks.
     lockstep_train "$rate" 2x2 node0:2,node1:2 4 lockstep-flat
     lockstep_train "$rate" 2x2 node0:2,node1:2 4 lockstep-hierarchical --hierarchical
     MAP_BY=node lockstep_train "$rate" 2x2 node0:2,node1:2 4 lockstep-flat-cyclic

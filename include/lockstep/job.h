@@ -192,9 +192,9 @@ struct JobEnvironmentOptions {
   // both exceed one rank runs communicators side by side.
   bool mpi_thread_multiple = false;
   // The same when the launcher says the ranks span several hosts
-  // (Runtime::several_hosts): what DataParallelOptions::order_by_host needs
-  // there, decided before MPI is started.
-  bool mpi_thread_multiple_on_several_hosts = false;
+  // (Runtime::several_hosts): what DataParallelOptions::order_by_host (on by
+  // default, as this is) needs there, decided before MPI is started.
+  bool mpi_thread_multiple_on_several_hosts = true;
   // Prefix of this layer's lines on stderr ("lockstep_train: rank 1: stopping: ...").
   std::string program = "lockstep";
   bool install_signal_handlers = true;

@@ -299,12 +299,9 @@ struct GradientBucketer::State {
   // split (MPI without MPI_THREAD_MULTIPLE), the ranks stay as they are and the
   // description says so. Every rank decides alike: host_of is the same everywhere.
   void OrderByHost(const std::vector<int>& host_of) {
+    if (std::is_sorted(host_of.begin(), host_of.end())) return;
     const int world = static_cast<int>(host_of.size());
-    bool in_order = true;
-    for (int r = 1; r < world; ++r) in_order = in_order && host_of[r] >= host_of[r - 1];
-    if (in_order) return;
-    std::string hosts;
-    for (int r = 0; r < world && r < 16; ++r) absl::StrAppend(&hosts, r > 0 ? " " : "", host_of[r]);
+    std::string hosts = absl::StrJoin(host_of.begin(), host_of.begin() + std::min(world, 16), " ");
     if (world > 16) absl::StrAppend(&hosts, " ...");
     const int rank = communicator->rank();
     std::string order;

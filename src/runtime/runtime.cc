@@ -18,12 +18,16 @@ struct Source {
   const char* rank;
   const char* size;
   const char* local_rank;
+  // Optional, for Runtime::several_hosts: the ranks on this host, or the hosts.
+  const char* local_size;
+  const char* hosts;
 };
 
 constexpr std::array<Source, 3> kSources = {{
-    {"mpirun", "OMPI_COMM_WORLD_RANK", "OMPI_COMM_WORLD_SIZE", "OMPI_COMM_WORLD_LOCAL_RANK"},
-    {"slurm", "SLURM_PROCID", "SLURM_NTASKS", "SLURM_LOCALID"},
-    {"torchrun", "RANK", "WORLD_SIZE", "LOCAL_RANK"},
+    {"mpirun", "OMPI_COMM_WORLD_RANK", "OMPI_COMM_WORLD_SIZE", "OMPI_COMM_WORLD_LOCAL_RANK",
+     "OMPI_COMM_WORLD_LOCAL_SIZE", nullptr},
+    {"slurm", "SLURM_PROCID", "SLURM_NTASKS", "SLURM_LOCALID", nullptr, "SLURM_STEP_NUM_NODES"},
+    {"torchrun", "RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", nullptr},
 }};
 
 int ParseInt(const Runtime::Lookup& lookup, const char* name, int min) {
@@ -33,6 +37,14 @@ int ParseInt(const Runtime::Lookup& lookup, const char* name, int min) {
     throw InvalidArgumentError(absl::StrCat("launcher variable ", name, "='", value, "' is not an integer >= ", min));
   }
   return parsed;
+}
+
+// An optional count: 0 when `name` is null, unset or not a positive integer.
+int OptionalCount(const Runtime::Lookup& lookup, const char* name) {
+  if (name == nullptr) return 0;
+  const std::optional<std::string> value = lookup(name);
+  int parsed = 0;
+  return value && absl::SimpleAtoi(*value, &parsed) && parsed > 0 ? parsed : 0;
 }
 
 }  // namespace
@@ -62,6 +74,9 @@ Runtime Runtime::FromVariables(const Lookup& lookup) {
     r.world_size = ParseInt(lookup, source.size, 1);
     r.rank = ParseInt(lookup, source.rank, 0);
     r.local_rank = ParseInt(lookup, source.local_rank, 0);
+    // Advice only: a value that is absent or unreadable says nothing.
+    const int local_size = OptionalCount(lookup, source.local_size);
+    r.several_hosts = (local_size > 0 && local_size < r.world_size) || OptionalCount(lookup, source.hosts) > 1;
     if (r.rank >= r.world_size) {
       throw InvalidArgumentError(absl::StrCat(source.rank, "=", r.rank, " is not below ", source.size, "=",
                                               r.world_size));
@@ -74,22 +89,6 @@ Runtime Runtime::FromVariables(const Lookup& lookup) {
       throw InvalidArgumentError(absl::StrCat("contradictory launcher environment: ", runtime.launcher, " says rank ",
                                               runtime.rank, " of ", runtime.world_size, ", ", other.launcher,
                                               " says rank ", other.rank, " of ", other.world_size));
-    }
-  }
-  if (!found.empty()) {
-    // Optional, and only advice: an unreadable value says nothing.
-    const auto number = [&](const char* name) {
-      int value = 0;
-      return lookup(name) && absl::SimpleAtoi(*lookup(name), &value) && value > 0 ? value : 0;
-    };
-    if (runtime.launcher == "mpirun") {
-      const int local = number("OMPI_COMM_WORLD_LOCAL_SIZE");
-      runtime.several_hosts = local > 0 && local < runtime.world_size;
-    } else if (runtime.launcher == "slurm") {
-      runtime.several_hosts = number("SLURM_STEP_NUM_NODES") > 1;
-    } else {
-      const int local = number("LOCAL_WORLD_SIZE");
-      runtime.several_hosts = local > 0 && local < runtime.world_size;
     }
   }
   runtime.host = HostName();
