@@ -6,7 +6,8 @@
 #   sudo benchmarks/slow_network.sh [BUILD_DIR]     (./dev.sh slow-network)
 #
 # Environment: RATES (default "1gbit 10gbit"), LAYOUTS (default "2x1 2x2"), MODEL
-# (wide_mlp), BATCH (examples per rank, 32), STEPS (timed steps per phase, 8), OUT (a
+# (wide_mlp), BATCH (examples per rank, 32), STEPS (timed steps per phase, 8), RUNS
+# (the names of the runs to make, as the table names them, default all), OUT (a
 # folder for the JSON lines, default BUILD_DIR/slow_network). For each rate, 2 hosts x
 # 1 rank and 2 hosts x 2 ranks:
 # - the all-reduce's bus bandwidth between the hosts (scaleout_benchmark
@@ -26,6 +27,15 @@ for layout in $layouts; do
   [[ $layout == 2x1 || $layout == 2x2 ]] || { echo "slow_network: LAYOUTS: '$layout' is neither 2x1 nor 2x2" >&2; exit 2; }
 done
 has_layout() { [[ " $layouts " == *" $1 "* ]]; }
+runs=${RUNS:-}
+known="collectives lockstep-none lockstep-bf16 lockstep-fp16 lockstep-powersgd ddp-none ddp-fp16 ddp-powersgd"
+known+=" lockstep-flat lockstep-hierarchical lockstep-flat-cyclic lockstep-flat-cyclic-rank-order"
+known+=" lockstep-hierarchical-cyclic lockstep-flat-bf16 lockstep-hierarchical-bf16 lockstep-hierarchical-fp16"
+known+=" lockstep-flat-powersgd"
+for run in $runs; do
+  [[ " $known " == *" $run "* ]] || { echo "slow_network: RUNS: no run is named '$run' (runs: $known)" >&2; exit 2; }
+done
+wanted() { [[ -z $runs || " $runs " == *" $1 "* ]]; }
 model=${MODEL:-wide_mlp}
 batch=${BATCH:-32}
 steps=${STEPS:-8}
@@ -79,6 +89,7 @@ EOF
 lockstep_train() {  # RATE LAYOUT HOSTS NP NAME FLAGS...
   local rate=$1 layout=$2 hosts=$3 np=$4 name=$5
   shift 5
+  wanted "$name" || return 0
   local before file=$work/$name-$layout-$rate.json
   before=$(cluster_link_bytes node1)
   mpirun_hosts "$hosts" "$np" "$build/benchmarks/scaleout_benchmark" "${common[@]}" "$@" > "$file" 2> "$file.err" ||
@@ -90,6 +101,7 @@ ddp_port=29500
 ddp_train() {  # RATE LAYOUT PER_HOST NAME FLAGS...: PyTorch DDP, ranks started on each host
   local rate=$1 layout=$2 per_host=$3 name=$4
   shift 4
+  wanted "$name" || return 0
   ddp_port=$((ddp_port + 1))  # a fresh rendezvous port per run
   local before file=$work/$name-$layout-$rate.json pids=() world=$((2 * per_host)) r h
   before=$(cluster_link_bytes node1)
@@ -125,12 +137,14 @@ for rate in $rates; do
   cluster_limit node0 "$rate"
   cluster_limit node1 "$rate"
   echo "== $rate =="
-  if has_layout 2x1; then
+  if has_layout 2x1 && wanted collectives; then
     # Bus bandwidth between the hosts, 2 x 1.
     before=$(cluster_link_bytes node1)
     mpirun_hosts node0:1,node1:1 2 "$build/benchmarks/scaleout_benchmark" --mode=collectives --sizes=16777216 \
       > "$work/coll-$rate.json" 2> "$work/coll-$rate.err" || { cat "$work/coll-$rate.err" >&2; exit 1; }
     record "$rate" 2x1 collectives "$before" "$work/coll-$rate.json"
+  fi
+  if has_layout 2x1; then
     for hook in none bf16 fp16 powersgd; do
       lockstep_train "$rate" 2x1 node0:1,node1:1 2 "lockstep-$hook" --comm_hook=$hook
     done

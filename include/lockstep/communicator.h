@@ -10,7 +10,8 @@
 // untouched until then. Blocking calls are Async + Wait. A communicator may be
 // called from one thread at a time; its Work handles may be waited on from any.
 // After a failure the communicator is broken: every later call fails at once
-// with the original reason.
+// with the original reason. Abort() breaks a communicator and every group split
+// from it that is still alive (and theirs, in turn).
 //
 //   HEALTHY --timeout, backend error or Abort()--> BROKEN (every call throws)
 #ifndef LOCKSTEP_COMMUNICATOR_H_
@@ -65,7 +66,10 @@ class Work {
 
 class Communicator {
  public:
-  virtual ~Communicator() = default;
+  Communicator();
+  virtual ~Communicator();
+  Communicator(const Communicator&) = delete;
+  Communicator& operator=(const Communicator&) = delete;
 
   virtual int rank() const = 0;
   virtual int world_size() const = 0;
@@ -114,7 +118,8 @@ class Communicator {
   // (the data axis of a mesh during backward, the model axis in forward). A group
   // of one rank is a single-process communicator; a group that is this whole
   // communicator in the same order forwards to it (it must outlive the result).
-  // Other groups are the backend's (SplitGroup). Errors: InvalidArgumentError for
+  // Other groups are the backend's (SplitGroup). Aborting this communicator
+  // aborts the result too, for as long as the result lives. Errors: InvalidArgumentError for
   // a negative color, a backend that cannot split, or MPI without
   // MPI_THREAD_MULTIPLE; CollectiveError as for the other collectives.
   std::unique_ptr<Communicator> Split(int color, int key, const CollectiveOptions& options = {});
@@ -122,7 +127,10 @@ class Communicator {
   // Safe from any thread (the coordination client's, when a peer died): the
   // collective in progress, or the next one, fails with a CollectiveError that
   // carries `reason`, and the communicator is broken. The first reason wins.
-  virtual void Abort(const std::string& reason) = 0;
+  // Every group Split from this communicator that is still alive is aborted
+  // with it, and the groups split from those: a rank blocked in a host's group
+  // or on a mesh axis hears of a dead peer as soon as one blocked here does.
+  void Abort(const std::string& reason);
 
   void AllReduce(at::Tensor tensor, ReduceOp op, const CollectiveOptions& options = {}) {
     AllReduceAsync(std::move(tensor), op, options)->Wait();
@@ -150,6 +158,16 @@ class Communicator {
   // InvalidArgumentError naming backend().
   virtual std::unique_ptr<Communicator> SplitGroup(int color, int key, const std::vector<int>& members,
                                                    const CollectiveOptions& options);
+
+  // The backend's part of Abort: breaks this communicator alone, as Abort
+  // describes (Abort itself passes the reason on to the split groups). Called
+  // from any thread, possibly more than once.
+  virtual void AbortCollectives(const std::string& reason) = 0;
+
+ private:
+  struct SplitRegistry;  // the live groups split from this one
+  std::unique_ptr<Communicator> Register(std::unique_ptr<Communicator> group);
+  const std::unique_ptr<SplitRegistry> splits_;
 };
 
 // A handle that waits for `first`, then runs `next` (on the thread that waits,

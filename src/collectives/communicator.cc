@@ -6,6 +6,8 @@
 #include <exception>
 #include <functional>
 #include <map>
+#include <memory>
+#include <optional>
 #include <string>
 #include <utility>
 #include <vector>
@@ -97,7 +99,9 @@ class SingleProcessCommunicator final : public Communicator {
     CheckNotAborted();
     return Done();
   }
-  void Abort(const std::string& reason) override {
+
+ protected:
+  void AbortCollectives(const std::string& reason) override {
     absl::MutexLock lock(&mu_);
     if (aborted_.empty()) aborted_ = reason;
   }
@@ -141,19 +145,124 @@ class AliasCommunicator final : public Communicator {
                                       const CollectiveOptions& collective) override {
     return parent_->AllocateCollectiveBuffer(numel, options, collective);
   }
-  void Abort(const std::string& reason) override { parent_->Abort(reason); }
 
  protected:
   std::unique_ptr<Communicator> SplitGroup(int color, int key, const std::vector<int>& /*members*/,
                                            const CollectiveOptions& options) override {
     return parent_->Split(color, key, options);
   }
+  void AbortCollectives(const std::string& reason) override { parent_->Abort(reason); }
 
  private:
   Communicator* const parent_;
 };
 
+// What a parent's Abort reaches a split group through: the group (its
+// SplitCommunicator) while it lives, null once it is going. Abort holds `mu`
+// while it aborts the group, so the group cannot be destroyed under it.
+struct SplitLink {
+  absl::Mutex mu;
+  Communicator* group ABSL_GUARDED_BY(mu) = nullptr;
+};
+
+// A group that Split made, owned: forwards every call to it. Before the group
+// goes, it is unhooked from its parent's registry, so that an Abort from
+// another thread never reaches a communicator half destroyed.
+class SplitCommunicator final : public Communicator {
+ public:
+  SplitCommunicator(std::unique_ptr<Communicator> group, std::shared_ptr<SplitLink> link)
+      : group_(std::move(group)), link_(std::move(link)) {}
+  ~SplitCommunicator() override {
+    absl::MutexLock lock(&link_->mu);
+    link_->group = nullptr;
+  }
+
+  int rank() const override { return group_->rank(); }
+  int world_size() const override { return group_->world_size(); }
+  std::string backend() const override { return group_->backend(); }
+  std::shared_ptr<Work> AllReduceAsync(at::Tensor tensor, ReduceOp op, const CollectiveOptions& options) override {
+    return group_->AllReduceAsync(std::move(tensor), op, options);
+  }
+  std::shared_ptr<Work> AllGatherAsync(at::Tensor output, at::Tensor input, const CollectiveOptions& options) override {
+    return group_->AllGatherAsync(std::move(output), std::move(input), options);
+  }
+  std::shared_ptr<Work> ReduceScatterAsync(at::Tensor output, at::Tensor input, ReduceOp op,
+                                           const CollectiveOptions& options) override {
+    return group_->ReduceScatterAsync(std::move(output), std::move(input), op, options);
+  }
+  std::shared_ptr<Work> AllToAllAsync(at::Tensor output, at::Tensor input, const CollectiveOptions& options) override {
+    return group_->AllToAllAsync(std::move(output), std::move(input), options);
+  }
+  std::shared_ptr<Work> BroadcastAsync(at::Tensor tensor, int root, const CollectiveOptions& options) override {
+    return group_->BroadcastAsync(std::move(tensor), root, options);
+  }
+  std::shared_ptr<Work> BarrierAsync(const CollectiveOptions& options) override { return group_->BarrierAsync(options); }
+  at::Tensor AllocateCollectiveBuffer(int64_t numel, const at::TensorOptions& options,
+                                      const CollectiveOptions& collective) override {
+    return group_->AllocateCollectiveBuffer(numel, options, collective);
+  }
+
+ protected:
+  std::unique_ptr<Communicator> SplitGroup(int color, int key, const std::vector<int>& /*members*/,
+                                           const CollectiveOptions& options) override {
+    return group_->Split(color, key, options);
+  }
+  void AbortCollectives(const std::string& reason) override { group_->Abort(reason); }
+
+ private:
+  const std::unique_ptr<Communicator> group_;
+  const std::shared_ptr<SplitLink> link_;
+};
+
 }  // namespace
+
+struct Communicator::SplitRegistry {
+  absl::Mutex mu;
+  std::optional<std::string> aborted ABSL_GUARDED_BY(mu);  // the first Abort's reason
+  std::vector<std::weak_ptr<SplitLink>> links ABSL_GUARDED_BY(mu);
+};
+
+Communicator::Communicator() : splits_(std::make_unique<SplitRegistry>()) {}
+
+Communicator::~Communicator() = default;
+
+void Communicator::Abort(const std::string& reason) {
+  AbortCollectives(reason);
+  std::vector<std::shared_ptr<SplitLink>> live;
+  {
+    absl::MutexLock lock(&splits_->mu);
+    if (!splits_->aborted) splits_->aborted = reason;
+    for (const std::weak_ptr<SplitLink>& weak : splits_->links) {
+      if (std::shared_ptr<SplitLink> link = weak.lock()) live.push_back(std::move(link));
+    }
+  }
+  for (const std::shared_ptr<SplitLink>& link : live) {
+    absl::MutexLock lock(&link->mu);
+    if (link->group != nullptr) link->group->Abort(reason);
+  }
+}
+
+// Hooks `group` to this communicator's Abort. A group split off just as this
+// communicator was aborted starts aborted.
+std::unique_ptr<Communicator> Communicator::Register(std::unique_ptr<Communicator> group) {
+  auto link = std::make_shared<SplitLink>();
+  auto registered = std::make_unique<SplitCommunicator>(std::move(group), link);
+  {
+    absl::MutexLock lock(&link->mu);
+    link->group = registered.get();
+  }
+  std::optional<std::string> aborted;
+  {
+    absl::MutexLock lock(&splits_->mu);
+    std::vector<std::weak_ptr<SplitLink>>& links = splits_->links;
+    links.erase(std::remove_if(links.begin(), links.end(), [](const auto& weak) { return weak.expired(); }),
+                links.end());
+    links.push_back(link);
+    aborted = splits_->aborted;
+  }
+  if (aborted) registered->Abort(*aborted);
+  return registered;
+}
 
 std::unique_ptr<Communicator> Communicator::Split(int color, int key, const CollectiveOptions& options) {
   if (color < 0) throw InvalidArgumentError("split: color must be >= 0, got " + std::to_string(color));
@@ -174,12 +283,12 @@ std::unique_ptr<Communicator> Communicator::Split(int color, int key, const Coll
   std::vector<int> members;
   for (const auto& [member_key, r] : mine_sorted) members.push_back(r);
   // Every rank takes part in the backend's split when any group needs it.
-  if (backend_groups) return SplitGroup(color, key, members, options);
-  if (members.size() == 1) return MakeSingleProcessCommunicator();
+  if (backend_groups) return Register(SplitGroup(color, key, members, options));
+  if (members.size() == 1) return Register(MakeSingleProcessCommunicator());
   bool whole = true;
   for (int i = 0; whole && i < n; ++i) whole = members[i] == i;
   if (whole) return std::make_unique<AliasCommunicator>(this);
-  return SplitGroup(color, key, members, options);  // the whole world, reordered
+  return Register(SplitGroup(color, key, members, options));  // the whole world, reordered
 }
 
 std::unique_ptr<Communicator> Communicator::SplitGroup(int, int, const std::vector<int>&, const CollectiveOptions&) {

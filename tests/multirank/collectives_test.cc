@@ -14,6 +14,7 @@
 #include <memory>
 #include <sstream>
 #include <string>
+#include <thread>
 #include <vector>
 
 #include "lockstep/communicator.h"
@@ -175,7 +176,7 @@ class WithoutAllToAll final : public Communicator {
     return inner_->BroadcastAsync(t, root, o);
   }
   std::shared_ptr<Work> BarrierAsync(const CollectiveOptions& o) override { return inner_->BarrierAsync(o); }
-  void Abort(const std::string& reason) override { inner_->Abort(reason); }
+  void AbortCollectives(const std::string& reason) override { inner_->Abort(reason); }
   int all_gathers = 0;
 
  private:
@@ -318,6 +319,41 @@ TEST_F(CollectivesTest, TimeoutAndAbortBreakTheCommunicator) {
   // Bad input is still a clear error, ahead of the broken state.
   EXPECT_THROW(aborted->AllReduceAsync(at::ones({4, 4}).t(), ReduceOp::kSum, {}), InvalidArgumentError);
   EXPECT_THROW(aborted->AllReduceAsync(at::ones({4}, at::kBool), ReduceOp::kSum, {}), InvalidArgumentError);
+}
+
+// Aborting a communicator reaches the groups split from it: rank 0 waits in an
+// all-reduce of a group (the world in reverse order, a process group of its
+// own) that no other rank has joined yet, with a minute's timeout, and another
+// thread aborts the world. The group's all-reduce fails with the abort's reason
+// at once; only then do the others join it, so that rank 0's group can close.
+TEST_F(CollectivesTest, AbortReachesTheSplitGroups) {
+  if (!Gloo()) GTEST_SKIP() << "an aborted MPI collective ends the job: collective_timeout.split_abort.np2 covers MPI";
+  std::unique_ptr<Communicator> world = MakeWorld();
+  std::unique_ptr<Communicator> group = world->Split(0, -rank_);
+  ASSERT_EQ(group->rank(), size_ - 1 - rank_);
+  const CollectiveOptions minute{std::chrono::minutes(1)};
+  at::Tensor t = at::ones({1000});
+  if (rank_ == 0) {
+    std::thread aborter([&] {
+      std::this_thread::sleep_for(std::chrono::milliseconds(300));
+      world->Abort("a peer died (the test says so)");
+    });
+    const auto start = std::chrono::steady_clock::now();
+    EXPECT_THAT([&] { group->AllReduce(t, ReduceOp::kSum, minute); },
+                ::testing::ThrowsMessage<CollectiveError>(::testing::HasSubstr("a peer died (the test says so)")));
+    const double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+    EXPECT_LT(seconds, 10.0);
+    aborter.join();
+    EXPECT_THAT([&] { group->Barrier(); }, ::testing::ThrowsMessage<CollectiveError>(::testing::HasSubstr("peer died")));
+  }
+  comm_->Barrier();
+  // Rank 0's all-reduce is still in flight in its process group: the others
+  // complete it.
+  if (rank_ != 0) group->AllReduce(t, ReduceOp::kSum, minute);
+  comm_->Barrier();
+  group.reset();
+  world.reset();
+  comm_->Barrier();
 }
 
 // On one host, float and double collective buffers live in shared memory whose

@@ -303,7 +303,7 @@ class GlooCommunicator final : public Communicator {
     return Launch("barrier", options, [&] { return group_->barrier(opts); }, {});
   }
 
-  void Abort(const std::string& reason) override { shared_->Break(reason); }
+  void AbortCollectives(const std::string& reason) override { shared_->Break(reason); }
 
  protected:
   // A new process group of the members over the store, under a prefix of its own.

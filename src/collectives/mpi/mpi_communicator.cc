@@ -587,7 +587,7 @@ class MpiCommunicator final : public Communicator {
     return std::make_unique<MpiCommunicator>(options_, group);
   }
 
-  void Abort(const std::string& reason) override {
+  void AbortCollectives(const std::string& reason) override {
     {
       absl::MutexLock lock(&mu_);
       if (abort_reason_.empty()) abort_reason_ = reason;

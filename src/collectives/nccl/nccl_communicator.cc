@@ -206,7 +206,7 @@ class NcclCommunicator final : public Communicator {
 
   // From any thread: the next poll of a Work (on the thread that waits) breaks the
   // communicator with `reason`.
-  void Abort(const std::string& reason) override {
+  void AbortCollectives(const std::string& reason) override {
     absl::MutexLock lock(&abort_mu_);
     if (abort_reason_.empty()) abort_reason_ = reason;
   }
