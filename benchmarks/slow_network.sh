@@ -7,7 +7,8 @@
 #
 # Environment: RATES (default "1gbit 10gbit"), LAYOUTS (default "2x1 2x2"), MODEL
 # (wide_mlp), BATCH (examples per rank, 32), STEPS (timed steps per phase, 8), RUNS
-# (the names of the runs to make, as the table names them, default all), OUT (a
+# (the names of the runs to make, as the table names them, default all),
+# LOCKSTEP_FLAGS (more scaleout_benchmark flags for the Lockstep runs), OUT (a
 # folder for the JSON lines, default BUILD_DIR/slow_network). For each rate, 2 hosts x
 # 1 rank and 2 hosts x 2 ranks:
 # - the all-reduce's bus bandwidth between the hosts (scaleout_benchmark
@@ -56,6 +57,9 @@ trap 'exit 143' TERM
 cluster_up 2 "$work/cluster"
 
 common=(--model="$model" --batch_per_rank="$batch" --steps="$steps" --rounds=2 --warmup_steps=3 --breakdown_steps=2 --threads=1)
+# LOCKSTEP_FLAGS: more scaleout_benchmark flags for every Lockstep run (--bucket_mb=8, say).
+read -r -a extra_flags <<< "${LOCKSTEP_FLAGS:-}"
+common+=("${extra_flags[@]}")
 # mpirun_hosts HOSTS NP PROGRAM ARGS...: from node0, over eth0 only. Ranks fill
 # each host in turn (0 and 1 on node0), unless MAP_BY=node places them cyclically
 # (0 and 2 on node0), as Slurm's --distribution=cyclic does.
