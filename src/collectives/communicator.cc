@@ -117,100 +117,68 @@ class SingleProcessCommunicator final : public Communicator {
   static std::shared_ptr<Work> Done() { return std::make_shared<CompletedWork>(); }
 };
 
-// A group that is the whole parent, in the parent's order: every call forwards.
-class AliasCommunicator final : public Communicator {
- public:
-  explicit AliasCommunicator(Communicator* parent) : parent_(parent) {}
-  int rank() const override { return parent_->rank(); }
-  int world_size() const override { return parent_->world_size(); }
-  std::string backend() const override { return parent_->backend(); }
-  std::shared_ptr<Work> AllReduceAsync(at::Tensor tensor, ReduceOp op, const CollectiveOptions& options) override {
-    return parent_->AllReduceAsync(std::move(tensor), op, options);
-  }
-  std::shared_ptr<Work> AllGatherAsync(at::Tensor output, at::Tensor input, const CollectiveOptions& options) override {
-    return parent_->AllGatherAsync(std::move(output), std::move(input), options);
-  }
-  std::shared_ptr<Work> ReduceScatterAsync(at::Tensor output, at::Tensor input, ReduceOp op,
-                                           const CollectiveOptions& options) override {
-    return parent_->ReduceScatterAsync(std::move(output), std::move(input), op, options);
-  }
-  std::shared_ptr<Work> AllToAllAsync(at::Tensor output, at::Tensor input, const CollectiveOptions& options) override {
-    return parent_->AllToAllAsync(std::move(output), std::move(input), options);
-  }
-  std::shared_ptr<Work> BroadcastAsync(at::Tensor tensor, int root, const CollectiveOptions& options) override {
-    return parent_->BroadcastAsync(std::move(tensor), root, options);
-  }
-  std::shared_ptr<Work> BarrierAsync(const CollectiveOptions& options) override { return parent_->BarrierAsync(options); }
-  at::Tensor AllocateCollectiveBuffer(int64_t numel, const at::TensorOptions& options,
-                                      const CollectiveOptions& collective) override {
-    return parent_->AllocateCollectiveBuffer(numel, options, collective);
-  }
-
- protected:
-  std::unique_ptr<Communicator> SplitGroup(int color, int key, const std::vector<int>& /*members*/,
-                                           const CollectiveOptions& options) override {
-    return parent_->Split(color, key, options);
-  }
-  void AbortCollectives(const std::string& reason) override { parent_->Abort(reason); }
-
- private:
-  Communicator* const parent_;
-};
-
 // What a parent's Abort reaches a split group through: the group (its
-// SplitCommunicator) while it lives, null once it is going. Abort holds `mu`
-// while it aborts the group, so the group cannot be destroyed under it.
+// ForwardingCommunicator) while it lives, null once it is going. Abort holds
+// `mu` while it aborts the group, so the group cannot be destroyed under it.
 struct SplitLink {
   absl::Mutex mu;
   Communicator* group ABSL_GUARDED_BY(mu) = nullptr;
 };
 
-// A group that Split made, owned: forwards every call to it. Before the group
-// goes, it is unhooked from its parent's registry, so that an Abort from
-// another thread never reaches a communicator half destroyed.
-class SplitCommunicator final : public Communicator {
+// Forwards every call to `target`. Two uses:
+// - a group that is the whole parent, in the parent's order: `target` is the
+//   parent (which must outlive it), nothing owned, no link;
+// - a group that Split made and registered: `target` is the backend's group,
+//   owned, and before it goes the group is unhooked from its parent's registry,
+//   so that an Abort from another thread never reaches a communicator half
+//   destroyed.
+class ForwardingCommunicator final : public Communicator {
  public:
-  SplitCommunicator(std::unique_ptr<Communicator> group, std::shared_ptr<SplitLink> link)
-      : group_(std::move(group)), link_(std::move(link)) {}
-  ~SplitCommunicator() override {
+  explicit ForwardingCommunicator(Communicator* parent) : target_(parent) {}
+  ForwardingCommunicator(std::unique_ptr<Communicator> group, std::shared_ptr<SplitLink> link)
+      : target_(group.get()), owned_(std::move(group)), link_(std::move(link)) {}
+  ~ForwardingCommunicator() override {
+    if (link_ == nullptr) return;
     absl::MutexLock lock(&link_->mu);
     link_->group = nullptr;
   }
 
-  int rank() const override { return group_->rank(); }
-  int world_size() const override { return group_->world_size(); }
-  std::string backend() const override { return group_->backend(); }
+  int rank() const override { return target_->rank(); }
+  int world_size() const override { return target_->world_size(); }
+  std::string backend() const override { return target_->backend(); }
   std::shared_ptr<Work> AllReduceAsync(at::Tensor tensor, ReduceOp op, const CollectiveOptions& options) override {
-    return group_->AllReduceAsync(std::move(tensor), op, options);
+    return target_->AllReduceAsync(std::move(tensor), op, options);
   }
   std::shared_ptr<Work> AllGatherAsync(at::Tensor output, at::Tensor input, const CollectiveOptions& options) override {
-    return group_->AllGatherAsync(std::move(output), std::move(input), options);
+    return target_->AllGatherAsync(std::move(output), std::move(input), options);
   }
   std::shared_ptr<Work> ReduceScatterAsync(at::Tensor output, at::Tensor input, ReduceOp op,
                                            const CollectiveOptions& options) override {
-    return group_->ReduceScatterAsync(std::move(output), std::move(input), op, options);
+    return target_->ReduceScatterAsync(std::move(output), std::move(input), op, options);
   }
   std::shared_ptr<Work> AllToAllAsync(at::Tensor output, at::Tensor input, const CollectiveOptions& options) override {
-    return group_->AllToAllAsync(std::move(output), std::move(input), options);
+    return target_->AllToAllAsync(std::move(output), std::move(input), options);
   }
   std::shared_ptr<Work> BroadcastAsync(at::Tensor tensor, int root, const CollectiveOptions& options) override {
-    return group_->BroadcastAsync(std::move(tensor), root, options);
+    return target_->BroadcastAsync(std::move(tensor), root, options);
   }
-  std::shared_ptr<Work> BarrierAsync(const CollectiveOptions& options) override { return group_->BarrierAsync(options); }
+  std::shared_ptr<Work> BarrierAsync(const CollectiveOptions& options) override { return target_->BarrierAsync(options); }
   at::Tensor AllocateCollectiveBuffer(int64_t numel, const at::TensorOptions& options,
                                       const CollectiveOptions& collective) override {
-    return group_->AllocateCollectiveBuffer(numel, options, collective);
+    return target_->AllocateCollectiveBuffer(numel, options, collective);
   }
 
  protected:
   std::unique_ptr<Communicator> SplitGroup(int color, int key, const std::vector<int>& /*members*/,
                                            const CollectiveOptions& options) override {
-    return group_->Split(color, key, options);
+    return target_->Split(color, key, options);
   }
-  void AbortCollectives(const std::string& reason) override { group_->Abort(reason); }
+  // An alias's Abort aborts its parent, and with it the parent's groups.
+  void AbortCollectives(const std::string& reason) override { target_->Abort(reason); }
 
  private:
-  const std::unique_ptr<Communicator> group_;
+  Communicator* const target_;
+  const std::unique_ptr<Communicator> owned_;
   const std::shared_ptr<SplitLink> link_;
 };
 
@@ -246,7 +214,7 @@ void Communicator::Abort(const std::string& reason) {
 // communicator was aborted starts aborted.
 std::unique_ptr<Communicator> Communicator::Register(std::unique_ptr<Communicator> group) {
   auto link = std::make_shared<SplitLink>();
-  auto registered = std::make_unique<SplitCommunicator>(std::move(group), link);
+  auto registered = std::make_unique<ForwardingCommunicator>(std::move(group), link);
   {
     absl::MutexLock lock(&link->mu);
     link->group = registered.get();
@@ -287,7 +255,7 @@ std::unique_ptr<Communicator> Communicator::Split(int color, int key, const Coll
   if (members.size() == 1) return Register(MakeSingleProcessCommunicator());
   bool whole = true;
   for (int i = 0; whole && i < n; ++i) whole = members[i] == i;
-  if (whole) return std::make_unique<AliasCommunicator>(this);
+  if (whole) return std::make_unique<ForwardingCommunicator>(this);
   return Register(SplitGroup(color, key, members, options));  // the whole world, reordered
 }
 
