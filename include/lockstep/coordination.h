@@ -196,7 +196,8 @@ class CoordinationClient {
   // service lost); nullopt while healthy.
   virtual std::optional<CoordinationEvent> failure() const = 0;
 
-  // Stops heartbeats and tells the service this rank is done. Idempotent.
+  // Stops heartbeats and tells the service this rank is done (unless the service
+  // is already known lost: then it only stops the heartbeats). Idempotent.
   virtual absl::Status Goodbye() = 0;
 };
 

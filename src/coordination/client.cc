@@ -192,12 +192,18 @@ class Client final : public CoordinationClient {
   }
 
   absl::Status Goodbye() override {
+    bool service_lost = false;
     {
       absl::MutexLock lock(&mu_);
       if (said_goodbye_ || !connected_) return absl::OkStatus();
       said_goodbye_ = true;
+      service_lost = failure_ && failure_->kind == CoordinationEvent::Kind::kCoordinatorLost;
     }
     StopThreads();
+    // A service that stopped answering would not hear it either: the call would
+    // only wait out its deadline, and a rank stopping after a failure has a grace
+    // period to keep.
+    if (service_lost) return absl::OkStatus();
     pb::GoodbyeRequest request;
     request.set_rank(options_.rank);
     request.set_incarnation(options_.incarnation);
@@ -298,6 +304,9 @@ class Client final : public CoordinationClient {
       } else if (absl::Now() - last_ok > options_.heartbeat_timeout) {
         Fail(ServiceLost(absl::StrFormat("no answer for %.1f s (%s)", absl::ToDoubleSeconds(absl::Now() - last_ok),
                                          status.message())));
+        // Nothing more to tell a service that no longer answers; ending here also
+        // keeps Goodbye from joining a heartbeat still waiting on it.
+        return;
       }
     }
   }

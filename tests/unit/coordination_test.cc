@@ -736,6 +736,40 @@ TEST(CoordinationTest, ACrashedCoordinatorIsNamedByEveryRank) {
   }
 }
 
+// The standalone binary, hung with SIGSTOP: its connections stay open, so only
+// the unanswered heartbeats tell. Every client names the lost service, and then
+// leaves without waiting on it (a goodbye would only wait out its deadline, 2 s,
+// eating into the grace period a stopping rank has).
+TEST(CoordinationTest, AHungCoordinatorIsNamedAndNotWaitedOn) {
+  SpawnedCoordinator coordinator;
+  ASSERT_NO_FATAL_FAILURE(SpawnCoordinator({"--address=127.0.0.1:0"}, coordinator));
+  const pid_t pid = coordinator.pid;
+  const absl::Duration timeout = absl::Seconds(2);
+  std::vector<EventLog> logs(2);
+  auto clients = ConnectAll(coordinator.port, 2, &logs, timeout);
+  ASSERT_TRUE(clients[0]->Set("k", "v").ok());
+  kill(pid, SIGSTOP);
+  const absl::Time stopped = absl::Now();
+  for (int r = 0; r < 2; ++r) {
+    auto event = logs[r].WaitFor(CoordinationEvent::Kind::kCoordinatorLost, absl::Seconds(10));
+    EXPECT_TRUE(event.has_value()) << "rank " << r;
+    if (!event) continue;
+    EXPECT_THAT(event->first.message, HasSubstr("no answer for"));
+    EXPECT_LT(event->second - stopped, timeout + absl::Seconds(2));
+  }
+  for (int r = 0; r < 2; ++r) {
+    const absl::Time start = absl::Now();
+    EXPECT_TRUE(clients[r]->Goodbye().ok()) << "rank " << r;
+    EXPECT_LT(absl::Now() - start, absl::Seconds(1)) << "rank " << r << " waited on the hung service";
+  }
+  clients.clear();  // the destructors say no goodbye either
+  kill(pid, SIGKILL);
+  kill(pid, SIGCONT);
+  int status = 0;
+  waitpid(pid, &status, 0);
+  fclose(coordinator.stream);
+}
+
 TEST(CoordinationTest, TheStandaloneCoordinatorExitsOnceEveryRankIsDone) {
   SpawnedCoordinator coordinator;
   ASSERT_NO_FATAL_FAILURE(SpawnCoordinator({}, coordinator));
