@@ -119,6 +119,8 @@ case "$command" in
     export INJECTIONS=${INJECTIONS:-5}  # the chaos test: 5 injections, not 20 (slow under ASan)
     # The fault-tolerance test: one kill and one SIGSTOP trial, not 3 and 1.
     export KILL_TRIALS=${KILL_TRIALS:-1} STOP_TRIALS=${STOP_TRIALS:-1}
+    # The peer-failure test: 3 kill -9 rounds, not 10 (the 3 split rounds stay).
+    export ROUNDS=${ROUNDS:-3}
     exec ctest --test-dir "$dir" --output-on-failure --timeout 1800 -j 2 -LE 'install|slurm|cluster|e2e|bench_smoke' "$@" ;;
   fuzz)
     # Every target runs its regression inputs (inputs that once failed), then
